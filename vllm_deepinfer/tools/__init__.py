@@ -1,0 +1,1 @@
+"""Command-line tools of vllm-deepinfer (`python -m vllm_deepinfer.tools.make_checkpoint ...`)."""
