@@ -1,0 +1,1 @@
+"""NVIDIA (Hopper, SM100) kernels for vllm-deepinfer; a leaf package: imports torch/triton only."""

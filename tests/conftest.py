@@ -1,0 +1,60 @@
+"""Shared fixtures: tiny real-format checkpoints (generated once per session) and vLLM engines.
+
+vLLM engines run in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) unless a test needs the spawned
+engine core; one engine serves a whole test module (start-up dominates CPU test time).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+_CACHE: dict[tuple, Path] = {}
+
+
+@pytest.fixture(scope="session")
+def ckpt_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("checkpoints")
+
+
+def tiny_checkpoint(root: Path, arch: str, seed: int = 0, **config_overrides) -> Path:
+    """A tiny checkpoint of `arch` ("v4-flash" / "v4.1-flash"), generated once per session.
+
+    `config_overrides` edit config.json (the text config for V4.1) of a copy of the base checkpoint.
+    """
+    from vllm_deepinfer.tools.make_checkpoint import make_checkpoint
+
+    key = (arch, seed, tuple(sorted(config_overrides.items())))
+    if key in _CACHE:
+        return _CACHE[key]
+    base_key = (arch, seed, ())
+    if base_key not in _CACHE:
+        _CACHE[base_key] = Path(make_checkpoint(arch, "tiny", root / f"{arch}-s{seed}", seed=seed))
+    if not config_overrides:
+        return _CACHE[base_key]
+    out = root / f"{arch}-s{seed}-" + "-".join(f"{k}{v}" for k, v in sorted(config_overrides.items()))
+    shutil.copytree(_CACHE[base_key], out)
+    cfg = json.loads((out / "config.json").read_text())
+    (cfg.get("text_config") or cfg).update(config_overrides)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    _CACHE[key] = out
+    return out
+
+
+def make_llm(model: Path, **overrides):
+    """A vLLM engine for tests: float32 (exact comparisons), eager, small KV budget."""
+    from vllm import LLM
+
+    kwargs = dict(model=str(model), dtype="float32", enforce_eager=True, gpu_memory_utilization=0.2,
+                  max_model_len=4096, max_num_batched_tokens=4096, max_num_seqs=16, seed=0)
+    kwargs.update(overrides)
+    return LLM(**kwargs)

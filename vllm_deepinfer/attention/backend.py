@@ -1,0 +1,83 @@
+"""Attention backend of the hybrid cache: metadata builder and per-step metadata.
+
+Every cache of the model (window KV, compressed KV, index keys, compressor state, token history)
+is a paged cache owned by vLLM's KV cache manager. Each cache kind forms its own KV cache group
+with its own block size; the builder hands every layer its group's block table plus the batch
+layout, and the model addresses rows itself from (request, position), so one mechanism serves
+prefill, chunked prefill, decode and recompute after preemption.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import torch
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+
+
+@dataclasses.dataclass
+class PagedCacheMetadata:
+    """Batch layout and one cache group's block table for one step.
+
+    block_table: [R, max_blocks] block ids of the group; query_start_loc: [R + 1] (CPU);
+    seq_lens: [R] tokens of each request after this step (CPU); block_size: tokens per block.
+    """
+
+    block_table: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_size: int
+    num_reqs: int
+    num_tokens: int
+
+
+class PagedCacheMetadataBuilder(AttentionMetadataBuilder[PagedCacheMetadata]):
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.block_size = kv_cache_spec.block_size
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> PagedCacheMetadata:
+        m = common_attn_metadata
+        r = m.num_reqs
+        return PagedCacheMetadata(
+            block_table=m.block_table_tensor[:r],
+            query_start_loc=m.query_start_loc_cpu[: r + 1].clone(),
+            seq_lens=m.seq_lens[:r].to("cpu", copy=True),
+            block_size=self.block_size,
+            num_reqs=r,
+            num_tokens=m.num_actual_tokens,
+        )
+
+
+class PagedCacheBackend(AttentionBackend):
+    """Model-driven backend of every DeepInfer cache layer (selected by the layer, not by vLLM)."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls():
+        raise NotImplementedError("DeepInfer layers run their own attention forward")
+
+    @staticmethod
+    def get_builder_cls() -> type[PagedCacheMetadataBuilder]:
+        return PagedCacheMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        return [MultipleOf(1)]
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return []

@@ -1,0 +1,102 @@
+"""Paged caches of the hybrid attention state, as vLLM KV cache layers.
+
+One `PagedCache` per cache kind per owning layer (model-spec §6.1):
+
+| kind            | rows                         | spec                                  |
+|-----------------|------------------------------|---------------------------------------|
+| window KV       | one per token                | SlidingWindowMLASpec, window W        |
+| compressed KV   | one per m tokens             | MLAAttentionSpec, tokens_per_state m  |
+| index keys      | one per m tokens             | MLAAttentionSpec, tokens_per_state m  |
+| compressor state| one per token ([kv ‖ score]) | SlidingWindowMLASpec, window = span   |
+| token history   | one per token (token id)     | SlidingWindowMLASpec, window n-1      |
+
+All specs of a model share one page size (`page_bytes`), so vLLM groups them without padding or
+repacking; each spec's block size is page_bytes / row_bytes * m. Rows are addressed from
+(request, position) through the group's block table: row `i` of a cache with m tokens per row
+lives in block `block_table[req, i*m // block_size]`, slot `(i*m % block_size) // m`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+from vllm.v1.kv_cache_interface import KVCacheSpec, MLAAttentionSpec, SlidingWindowMLASpec
+
+from vllm_deepinfer.attention.backend import PagedCacheBackend, PagedCacheMetadata
+
+
+def cache_page_bytes(vllm_config: VllmConfig, head_dim: int, dtype: torch.dtype) -> int:
+    """Common page size: one window-KV block of `cache_config.block_size` tokens."""
+    block = vllm_config.cache_config.block_size
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"DeepInfer caches need a power-of-two --block-size >= 16, got {block}")
+    return block * head_dim * dtype.itemsize
+
+
+class PagedCache(nn.Module, AttentionLayerBase):
+    """One paged cache of `width` values of `dtype` per row, one row per `tokens_per_row` tokens.
+
+    `window` (in tokens) makes it a sliding-window cache whose old blocks vLLM frees; None keeps
+    every row (compressed KV, index keys).
+    """
+
+    def __init__(self, prefix: str, width: int, dtype: torch.dtype, page_bytes: int,
+                 tokens_per_row: int = 1, window: int | None = None):
+        super().__init__()
+        self.prefix = prefix
+        self.width = width
+        self.dtype = dtype
+        self.tokens_per_row = tokens_per_row
+        self.window = window
+        row_bytes = width * dtype.itemsize
+        if page_bytes % row_bytes:
+            raise ValueError(f"{prefix}: page of {page_bytes} B does not hold whole {row_bytes}-B rows")
+        self.rows_per_block = page_bytes // row_bytes
+        self.block_size = self.rows_per_block * tokens_per_row
+        self.kv_cache = torch.tensor([])
+        ctx = get_current_vllm_config().compilation_config.static_forward_context
+        if prefix in ctx:
+            raise ValueError(f"Duplicate layer name: {prefix}")
+        ctx[prefix] = self
+
+    # -- vLLM layer contract ---------------------------------------------------------------
+    def get_attn_backend(self):
+        return PagedCacheBackend
+
+    def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
+        common = dict(block_size=self.block_size, num_kv_heads=1, head_size=self.width, dtype=self.dtype)
+        if self.window is not None:
+            return SlidingWindowMLASpec(sliding_window=self.window, **common)
+        return MLAAttentionSpec(tokens_per_state=self.tokens_per_row, **common)
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        """kv_cache: [num_blocks, 1, rows_per_block, width] (any element type of the same bytes)."""
+        if kv_cache.dtype != self.dtype:
+            kv_cache = kv_cache.view(self.dtype)
+        self.kv_cache = kv_cache.view(kv_cache.shape[0], self.rows_per_block, self.width)
+
+    def forward(self):  # caches are read and written by their owning layers
+        raise NotImplementedError
+
+    # -- addressing ------------------------------------------------------------------------
+    @property
+    def rows(self) -> torch.Tensor:
+        """All cache rows, [num_blocks * rows_per_block, width]."""
+        return self.kv_cache.view(-1, self.width)
+
+    def row_slots(self, meta: PagedCacheMetadata, req: int, row_ids: torch.Tensor) -> torch.Tensor:
+        """Flat slots of rows `row_ids` [N] of request `req` in `rows`."""
+        tok = row_ids * self.tokens_per_row
+        block = meta.block_table[req, tok // self.block_size].long()
+        return block * self.rows_per_block + (tok % self.block_size) // self.tokens_per_row
+
+    def write(self, meta: PagedCacheMetadata, req: int, row_ids: torch.Tensor, values: torch.Tensor) -> None:
+        """Store rows `row_ids` [N] of request `req`; values: [N, width]."""
+        if row_ids.numel():
+            self.rows[self.row_slots(meta, req, row_ids)] = values.to(self.dtype)
+
+    def read(self, meta: PagedCacheMetadata, req: int, row_ids: torch.Tensor) -> torch.Tensor:
+        """Load rows `row_ids` [N] of request `req` -> [N, width]."""
+        return self.rows[self.row_slots(meta, req, row_ids)]

@@ -1,0 +1,112 @@
+"""Hybrid sparse attention of one layer (model-spec §3.4, §3.7).
+
+Keys of a query at position p: its own layer's window (the last W positions, itself included) and,
+for compressed layers, rows of the KV source's compressed cache: all visible rows (V4 HCA) or the
+rows its index source selected (V4 CSA, V4.1). Values equal keys; a learned sink absorbs mass.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vllm_deepinfer import ops
+from vllm_deepinfer.attention.caches import PagedCache
+from vllm_deepinfer.config import V4, ArchConfig, LayerPlan
+from vllm_deepinfer.models.compressor import Compressor
+from vllm_deepinfer.models.indexer import Indexer
+from vllm_deepinfer.models.layers import Linear, RMSNorm, _param
+from vllm_deepinfer.models.rope import RotaryTable
+from vllm_deepinfer.models.step import RequestSpan, StepBatch
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ArchConfig, plan: LayerPlan, rope: RotaryTable, prefix: str, page_bytes: int):
+        super().__init__()
+        self.plan, self.rope = plan, rope
+        self.n_heads, self.head_dim, self.groups = arch.num_heads, arch.head_dim, arch.o_groups
+        self.window, self.eps, self.scale = arch.window, arch.rms_norm_eps, arch.softmax_scale
+        self.per_head_q_norm = arch.family == V4  # V4.1: "qr is normed before wq_b" (spec §7 Q6)
+        d, h = arch.head_dim, arch.num_heads
+        self.wq_a = Linear(arch.hidden_size, arch.q_lora_rank)
+        self.q_norm = RMSNorm(arch.q_lora_rank, arch.rms_norm_eps)
+        self.wq_b = Linear(arch.q_lora_rank, h * d)
+        self.wkv = Linear(arch.hidden_size, d)
+        self.kv_norm = RMSNorm(d, arch.rms_norm_eps)
+        self.wo_a = Linear(h * d // arch.o_groups, arch.o_groups * arch.o_lora_rank)
+        self.wo_b = Linear(arch.o_groups * arch.o_lora_rank, arch.hidden_size)
+        self.attn_sink = _param(h, dtype=torch.float32)
+        dtype = torch.get_default_dtype()
+        self.window_cache = PagedCache(f"{prefix}.window_cache", d, dtype, page_bytes, window=arch.window)
+        self.compressor = self.compressed_cache = self.indexer = None
+        if plan.owns_compressor:
+            self.compressor = Compressor(arch.hidden_size, d, plan.ratio, overlap=plan.compressor_overlap,
+                                         gated=plan.compressor_gated, with_ape=arch.family == V4,
+                                         eps=arch.rms_norm_eps, prefix=f"{prefix}.compressor", page_bytes=page_bytes)
+            self.compressed_cache = PagedCache(f"{prefix}.compressed_cache", d, dtype, page_bytes,
+                                               tokens_per_row=plan.ratio)
+        if plan.owns_indexer:
+            self.indexer = Indexer(arch, plan, rope, f"{prefix}.indexer", page_bytes)
+        # Caches of other layers (V4.1 sharing); set by the model once all layers exist.
+        self.kv_source: PagedCache | None = self.compressed_cache
+
+    def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """x: [T, D] (normalised attention input) -> [T, D]."""
+        t = x.shape[0]
+        cos, sin = self.rope.cos_sin(batch.positions)
+        cq = self.q_norm(self.wq_a(x))
+        q = self.wq_b(cq).view(t, self.n_heads, self.head_dim)
+        if self.per_head_q_norm:
+            q = ops.rms_norm(q, None, self.eps)
+        q = ops.apply_rope(q, cos, sin)
+        kv = ops.apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
+        if not batch.has_cache:  # vLLM dummy/profiling run: no cache to attend to
+            return torch.zeros_like(x)
+        if self.compressor is not None:
+            self._compress(x, batch)
+        selected = None
+        if self.indexer is not None:
+            selected = self.indexer(x, cq, batch)
+        elif self.plan.index_source is not None:
+            selected = batch.topk[self.plan.index_source]
+        out = torch.empty_like(q)
+        for span in batch:
+            out[span.start:span.end] = self._attend(q[span.start:span.end], kv[span.start:span.end], span,
+                                                    batch, None if selected is None else selected[span.start:span.end])
+        out = ops.apply_rope(out, cos, sin, inverse=True)
+        return ops.grouped_output(out, self.wo_a.weight, self.wo_b.weight, self.groups)
+
+    def _compress(self, x: torch.Tensor, batch: StepBatch) -> None:
+        """Pool the groups closed in this step into compressed rows (and V4.1 index keys)."""
+        closed = self.compressor(x, batch)
+        for span, g, latent in closed:
+            cos, sin = self.rope.cos_sin(g * self.plan.ratio)
+            rows = ops.apply_rope(latent, cos, sin)
+            self.compressed_cache.write(batch.meta(self.compressed_cache), span.req, g, rows)
+        if self.indexer is not None and self.indexer.key_cache is not None:
+            self.indexer.write_keys(x, batch, latents=closed)
+
+    def _attend(self, q: torch.Tensor, kv: torch.Tensor, span: RequestSpan, batch: StepBatch,
+                selected: torch.Tensor | None) -> torch.Tensor:
+        """Attention of one request's queries q [n, H, d] over its window and compressed rows."""
+        meta = batch.meta(self.window_cache)
+        pos = torch.arange(span.first_pos, span.first_pos + q.shape[0])
+        self.window_cache.write(meta, span.req, pos, kv)
+        lo = max(0, span.first_pos - self.window + 1)
+        key_pos = torch.arange(lo, int(pos[-1]) + 1)
+        keys = [self.window_cache.read(meta, span.req, key_pos)]
+        dist = pos.unsqueeze(1) - key_pos.unsqueeze(0)
+        allowed = [(dist >= 0) & (dist < self.window)]
+        if self.plan.ratio > 0:
+            n_visible = (pos + 1) // self.plan.ratio
+            n_rows = int(n_visible.max())
+            if n_rows > 0:
+                rows = torch.arange(n_rows)
+                keys.append(self.kv_source.read(batch.meta(self.kv_source), span.req, rows))
+                if selected is None:  # HCA: every visible row
+                    allowed.append(rows.unsqueeze(0) < n_visible.unsqueeze(1))
+                else:
+                    mask = torch.zeros(q.shape[0], n_rows + 1, dtype=torch.bool)
+                    mask.scatter_(1, torch.where(selected >= 0, selected, n_rows).clamp(max=n_rows), True)
+                    allowed.append(mask[:, :n_rows] & (rows.unsqueeze(0) < n_visible.unsqueeze(1)))
+        return ops.sparse_attention(q, torch.cat(keys), torch.cat(allowed, dim=1), self.attn_sink, self.scale)

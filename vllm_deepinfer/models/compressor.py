@@ -1,0 +1,82 @@
+"""KV compressor: one pooled row per m tokens (model-spec §3.5).
+
+Per token it stores [kv ‖ score] (fp32) in a sliding-window state cache, so a group that spans
+scheduler steps (chunked prefill, decode, recompute) is finished from the cache; when a token
+closes a group it pools the group's rows with a per-dimension softmax over the slots.
+
+* V4 ratio 4 (CSA), overlap: width 2w; a row pools the previous block's first halves and the
+  current block's second halves (8 slots). V4 ratio 128 (HCA): width w, 128 slots. V4 adds `ape`.
+* V4.1 ratio 2: gated, no ape, no overlap (2 slots). V4.1 ratio 1: ungated, the row is x W_kv.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vllm_deepinfer import ops
+from vllm_deepinfer.attention.caches import PagedCache
+from vllm_deepinfer.models.layers import Linear, RMSNorm, _param
+from vllm_deepinfer.models.step import RequestSpan, StepBatch
+
+
+class Compressor(nn.Module):
+    def __init__(self, hidden: int, width: int, ratio: int, overlap: bool, gated: bool, with_ape: bool,
+                 eps: float, prefix: str, page_bytes: int):
+        super().__init__()
+        self.width, self.ratio, self.overlap, self.gated = width, ratio, overlap, gated
+        c = 2 if overlap else 1
+        self.wkv = Linear(hidden, c * width, dtype=torch.float32)
+        self.wgate = Linear(hidden, c * width, dtype=torch.float32) if gated else None
+        self.ape = _param(ratio, c * width, dtype=torch.float32) if with_ape else None
+        self.norm = RMSNorm(width, eps)
+        self.state_cache = None
+        if gated:
+            span = (2 if overlap else 1) * ratio
+            self.state_cache = PagedCache(f"{prefix}.state_cache", 2 * c * width, torch.float32, page_bytes,
+                                          window=span)
+
+    def forward(self, x: torch.Tensor, batch: StepBatch) -> list[tuple[RequestSpan, torch.Tensor, torch.Tensor]]:
+        """Write this step's token state and pool every group a token of this step closes.
+
+        x: [T, D] (the attention input). Returns per request (span, group ids [G], normalised
+        latents [G, w] fp32) — still without RoPE, which the caller applies at position m * g.
+        """
+        xf = x.float()
+        kv = self.wkv(xf)
+        out = []
+        if not self.gated:  # ratio 1: every token is its own group
+            for span in batch:
+                g = torch.arange(span.first_pos, span.first_pos + span.end - span.start)
+                out.append((span, g, self.norm(kv[span.start:span.end])))
+            return out
+        score = self.wgate(xf)
+        if self.ape is not None:
+            score = score + self.ape[batch.positions.long() % self.ratio]
+        state = torch.cat((kv, score), dim=-1)
+        m = self.ratio
+        for span in batch:
+            meta = batch.meta(self.state_cache)
+            pos = torch.arange(span.first_pos, span.first_pos + span.end - span.start)
+            self.state_cache.write(meta, span.req, pos, state[span.start:span.end])
+            g = pos[(pos + 1) % m == 0] // m
+            if g.numel() == 0:
+                continue
+            out.append((span, g, self.norm(self._pool(meta, span.req, g))))
+        return out
+
+    def _pool(self, meta, req: int, groups: torch.Tensor) -> torch.Tensor:
+        """Softmax-pool the cached token states of `groups` [G] -> [G, w] fp32."""
+        m, w = self.ratio, self.width
+        n_slots = 2 * m if self.overlap else m
+        first = groups * m - (m if self.overlap else 0)
+        tok = first.unsqueeze(1) + torch.arange(n_slots)            # [G, S]
+        valid = tok >= 0
+        rows = self.state_cache.read(meta, req, tok.clamp(min=0).flatten()).view(*tok.shape, -1).float()
+        c = 2 if self.overlap else 1
+        kv, score = rows[..., : c * w], rows[..., c * w:]
+        if self.overlap:  # previous block through its first half, current block through its second
+            kv = torch.cat((kv[:, :m, :w], kv[:, m:, w:]), dim=1)
+            score = torch.cat((score[:, :m, :w], score[:, m:, w:]), dim=1)
+        score = score.masked_fill(~valid.unsqueeze(-1), float("-inf"))
+        return ops.softmax_pool(kv, score)

@@ -1,0 +1,165 @@
+"""DeepSeek-V4-Flash and V4.1-Flash: one hardware-agnostic model (model-spec §3).
+
+Residual state: h = hc_mult streams per token, [T, h, D]. Each layer has an attention and an FFN
+sublayer, each wrapped in a manifold-constrained hyper-connection (mHC):
+
+    pre, post, comb = HC(X)              (coefficients from the current streams)
+    u  = sum_j w_j X_j                   (V4: w = pre of this sublayer; V4.1: pre of the previous one)
+    y  = F(RMSNorm(u))
+    X' = post * y + comb^T X
+
+V4 collapses the final streams with `hc_head`, V4.1 with the last FFN's pre. V4.1 layers listed
+in `engram_layer_ids` first add their Engram value to the streams.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+from vllm_deepinfer import ops
+from vllm_deepinfer.attention.caches import PagedCache, cache_page_bytes
+from vllm_deepinfer.config import V4, V41, ArchConfig
+from vllm_deepinfer.models.attention import Attention
+from vllm_deepinfer.models.engram import Engram, EngramHasher, write_token_history
+from vllm_deepinfer.models.layers import HyperConnection, RMSNorm, _param
+from vllm_deepinfer.models.loader import load_checkpoint
+from vllm_deepinfer.models.rope import RotaryTable
+from vllm_deepinfer.models.step import StepBatch
+from vllm_deepinfer.moe.layer import MoE
+
+logger = logging.getLogger(__name__)
+
+
+class HyperHead(nn.Module):
+    """V4 final collapse weights (`hc_head_{fn,base,scale}`): sigmoid(mu * scale + base) + eps."""
+
+    def __init__(self, arch: ArchConfig):
+        super().__init__()
+        h = arch.hc_mult
+        self.fn = _param(h, h * arch.hidden_size, dtype=torch.float32)
+        self.base = _param(h, dtype=torch.float32)
+        self.scale = _param(1, dtype=torch.float32)
+        self.rms_eps, self.hc_eps = arch.rms_norm_eps, arch.hc_eps
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        return ops.hc_head_weights(streams, self.fn, self.base, self.scale, self.rms_eps, self.hc_eps)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ArchConfig, layer_id: int, ropes: nn.ModuleDict, prefix: str, page_bytes: int,
+                 hasher: EngramHasher | None, history: PagedCache | None):
+        super().__init__()
+        plan = arch.layer_plan(layer_id)
+        self.delayed = arch.family == V41
+        hc = (arch.hc_mult, arch.hidden_size, arch.hc_mix_width, arch.rms_norm_eps, arch.hc_eps,
+              arch.hc_sinkhorn_iters)
+        self.hc_attn, self.hc_ffn = HyperConnection(*hc), HyperConnection(*hc)
+        self.attn_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.ffn_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        rope = ropes["compress" if plan.compressed else "main"]
+        self.attn = Attention(arch, plan, rope, f"{prefix}.attn", page_bytes)
+        self.ffn = MoE(arch.hidden_size, arch.moe_intermediate_size, arch.n_routed_experts, arch.num_experts_per_tok,
+                       arch.n_shared_experts, arch.vocab_size, plan.hash_routed, arch.routed_scaling_factor,
+                       arch.swiglu_limit, arch.image_token_id if arch.family == V41 else -1)
+        self.engram = Engram(arch, plan.engram_table, hasher, history) if plan.engram_table is not None else None
+
+    def forward(self, streams: torch.Tensor, carry: torch.Tensor | None, batch: StepBatch):
+        """streams: [T, h, D]; carry: V4.1 pre of the previous sublayer [T, h] (None before layer 0)."""
+        if self.engram is not None:
+            streams = self.engram(streams, batch)
+        streams, carry = self._sublayer(streams, carry, self.hc_attn, lambda u: self.attn(self.attn_norm(u), batch))
+        return self._sublayer(streams, carry, self.hc_ffn, lambda u: self.ffn(self.ffn_norm(u), batch.token_ids))
+
+    def _sublayer(self, streams, carry, hc, fn):
+        pre, post, comb = hc(streams)
+        weights = carry if self.delayed else pre
+        u = streams[:, 0] if weights is None else ops.hc_collapse(streams, weights)
+        return ops.hc_expand(streams, fn(u), post, comb), pre
+
+
+class DeepseekModel(nn.Module):
+    def __init__(self, vllm_config: VllmConfig, arch: ArchConfig, prefix: str = "model"):
+        super().__init__()
+        self.arch = arch
+        dtype = vllm_config.model_config.dtype
+        page_bytes = cache_page_bytes(vllm_config, arch.head_dim, dtype)
+        self.embed = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, prefix=f"{prefix}.embed")
+        self.ropes = nn.ModuleDict({"main": RotaryTable(arch, False), "compress": RotaryTable(arch, True)})
+        self.history = self.hasher = None
+        if arch.family == V41 and arch.engram_layer_ids:
+            self.hasher = EngramHasher(arch, vllm_config.model_config.tokenizer)
+            self.history = PagedCache(f"{prefix}.layers.{arch.engram_layer_ids[0]}.engram.history_cache", 1,
+                                      torch.int32, page_bytes, window=arch.engram_max_ngram_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(arch, l, self.ropes, f"{prefix}.layers.{l}", page_bytes, self.hasher, self.history)
+            for l in range(arch.num_layers))
+        self._wire_shared_caches()
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.hc_head = HyperHead(arch) if arch.family == V4 else None
+
+    def _wire_shared_caches(self) -> None:
+        """V4.1 KV and index-key sharing: consumers read their sources' caches."""
+        for layer in self.layers:
+            attn, plan = layer.attn, layer.attn.plan
+            if plan.kv_source is not None and not plan.owns_compressor:
+                attn.kv_source = self.layers[plan.kv_source].attn.compressed_cache
+            if attn.indexer is not None and not plan.owns_index_keys:
+                attn.indexer.key_source = self.layers[plan.index_key_layer].attn.indexer.key_cache
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T] -> final normalised hidden states [T, D]."""
+        batch = StepBatch.from_forward_context(input_ids, positions)
+        if self.history is not None:
+            write_token_history(self.history, batch)
+        e = self.embed(input_ids)
+        streams = e.unsqueeze(1).expand(-1, self.arch.hc_mult, -1).contiguous()
+        carry = None
+        for layer in self.layers:
+            streams, carry = layer(streams, carry, batch)
+        weights = self.hc_head(streams) if self.hc_head is not None else carry
+        return self.norm(ops.hc_collapse(streams, weights))
+
+
+class DeepseekForCausalLM(nn.Module):
+    """vLLM model class; `family` pins which checkpoint family the registered name accepts."""
+
+    family: str = ""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        self.arch = ArchConfig.from_hf(vllm_config.model_config.hf_config)
+        if self.arch.family != self.family:
+            raise ValueError(f"{type(self).__name__} runs {self.family} checkpoints, got a {self.arch.family} config")
+        self.model = DeepseekModel(vllm_config, self.arch, prefix="model")
+        self.lm_head = ParallelLMHead(self.arch.vocab_size, self.arch.hidden_size, prefix="lm_head")
+        self.logits_processor = LogitsProcessor(self.arch.vocab_size)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors=None,
+                inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        if input_ids is None:
+            raise ValueError("DeepInfer DeepSeek models need token ids (hash routing and Engram read them)")
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_checkpoint(self, self.arch, weights)
+
+
+class DeepseekV4ForCausalLM(DeepseekForCausalLM):
+    family = V4
+
+
+class DeepseekV41ForCausalLM(DeepseekForCausalLM):
+    family = V41

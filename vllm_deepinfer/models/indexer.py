@@ -1,0 +1,116 @@
+"""Lightning indexer: top-k selection of compressed rows (model-spec §3.6).
+
+An index source scores every valid compressed row of its key cache and publishes the top-k row
+ids per token in `StepBatch.topk`; index consumers reuse them (V4.1 index sharing). The V4.1
+candidate source also publishes the best `candidate_topk_blocks` blocks of rows, to which later
+index sources restrict their scores (two-level filter). Index keys are written here too: V4 pools
+them with the indexer's own compressor; V4.1 derives them from the KV source's latent rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vllm_deepinfer import ops
+from vllm_deepinfer.attention.caches import PagedCache
+from vllm_deepinfer.config import V4, ArchConfig, LayerPlan
+from vllm_deepinfer.models.compressor import Compressor
+from vllm_deepinfer.models.layers import Linear, RMSNorm
+from vllm_deepinfer.models.rope import RotaryTable
+from vllm_deepinfer.models.step import StepBatch
+
+
+class Indexer(nn.Module):
+    def __init__(self, arch: ArchConfig, plan: LayerPlan, rope: RotaryTable, prefix: str, page_bytes: int):
+        super().__init__()
+        self.plan, self.rope = plan, rope
+        self.n_heads, self.head_dim, self.topk = arch.index_n_heads, arch.index_head_dim, arch.index_topk
+        self.ratio = plan.ratio
+        self.weight_scale = self.head_dim ** -0.5 * self.n_heads ** -0.5
+        self.block_rows, self.n_blocks = arch.candidate_block_size, arch.candidate_topk_blocks
+        self.candidate_layer = arch.candidate_source_layer_id
+        self.wq_b = Linear(arch.q_lora_rank, self.n_heads * self.head_dim)
+        self.weights_proj = Linear(arch.hidden_size, self.n_heads)
+        self.compressor = self.wk = self.k_norm = self.key_cache = None
+        if plan.owns_index_keys:
+            if arch.family == V4:
+                self.compressor = Compressor(arch.hidden_size, self.head_dim, plan.ratio, overlap=True, gated=True,
+                                             with_ape=True, eps=arch.rms_norm_eps,
+                                             prefix=f"{prefix}.compressor", page_bytes=page_bytes)
+            else:
+                self.wk = Linear(arch.head_dim, self.head_dim)
+                self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
+            self.key_cache = PagedCache(f"{prefix}.key_cache", self.head_dim, torch.get_default_dtype(), page_bytes,
+                                        tokens_per_row=plan.ratio)
+        self.key_source: PagedCache | None = self.key_cache  # set by the model for V4.1 non-owners
+
+    # -- keys ----------------------------------------------------------------------------------
+    def write_keys(self, x: torch.Tensor, batch: StepBatch, latents=None) -> None:
+        """Store index keys of the rows closed in this step.
+
+        V4: pooled from x [T, D] by the indexer's compressor. V4.1: `latents` from the KV source's
+        compressor, as (span, group ids [G], latent [G, d]) triples.
+        """
+        groups = self.compressor(x, batch) if self.compressor is not None else latents
+        for span, g, latent in groups:
+            if self.compressor is None:
+                latent = self.k_norm(self.wk(latent.to(self.wk.weight.dtype)).float())
+            cos, sin = self.rope.cos_sin(g * self.ratio)
+            keys = ops.apply_rope(latent, cos, sin)
+            self.key_cache.write(batch.meta(self.key_cache), span.req, g, keys)
+
+    # -- selection -------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, cq: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """Select rows for every token and publish them. x: [T, D]; cq: [T, Q] -> ids [T, k] (-1 = none)."""
+        t = x.shape[0]
+        q = self.wq_b(cq).view(t, self.n_heads, self.head_dim)
+        cos, sin = self.rope.cos_sin(batch.positions)
+        q = ops.apply_rope(q, cos, sin)
+        w = self.weights_proj(x).float() * self.weight_scale
+        ids = torch.full((t, self.topk), -1, dtype=torch.long)
+        cand_out = torch.full((t, max(self.n_blocks, 1)), -1, dtype=torch.long) if self.plan.candidate_source else None
+        cands = batch.candidates.get(self.candidate_layer) if self.plan.candidate_consumer else None
+        for span in batch:
+            pos = batch.positions[span.start:span.end].long()
+            n_valid = (pos + 1) // self.ratio                       # rows visible to each token [n]
+            n_rows = int(n_valid.max())
+            if n_rows == 0:
+                continue
+            rows = torch.arange(n_rows)
+            valid = rows.unsqueeze(0) < n_valid.unsqueeze(1)        # [n, N]
+            if n_rows <= self.topk:                                  # every valid row is selected
+                ids[span.start:span.end, :n_rows] = torch.where(valid, rows, -1)
+                continue
+            keys = self.key_source.read(batch.meta(self.key_source), span.req, rows)
+            scores = ops.indexer_scores(q[span.start:span.end], w[span.start:span.end], keys)
+            scores = scores.masked_fill(~valid, float("-inf"))
+            if cand_out is not None:
+                cand_out[span.start:span.end] = self._candidate_blocks(scores, n_valid)
+            if cands is not None:
+                scores = self._restrict_to_blocks(scores, cands[span.start:span.end])
+            sel = ops.topk_rows(scores, self.topk)
+            ids[span.start:span.end] = sel
+        batch.topk[self.plan.layer_id] = ids
+        if cand_out is not None:
+            batch.candidates[self.plan.layer_id] = cand_out
+        return ids
+
+    def _candidate_blocks(self, scores: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
+        """Block score = max over its rows; the newest valid block is forced. -> [n, n_blocks]."""
+        n, n_rows = scores.shape
+        nb = -(-n_rows // self.block_rows)
+        padded = torch.nn.functional.pad(scores, (0, nb * self.block_rows - n_rows), value=float("-inf"))
+        block_scores = padded.view(n, nb, self.block_rows).amax(-1)
+        newest = ((n_valid - 1) // self.block_rows).clamp(min=0)
+        block_scores[torch.arange(n), newest] = float("inf")
+        return ops.topk_rows(block_scores, self.n_blocks)
+
+    def _restrict_to_blocks(self, scores: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """Keep only rows inside the published candidate blocks [n, n_blocks] (-1 = none)."""
+        n, n_rows = scores.shape
+        nb = -(-n_rows // self.block_rows)
+        keep = torch.zeros(n, nb + 1, dtype=torch.bool)
+        keep.scatter_(1, torch.where(blocks >= 0, blocks, nb), True)
+        keep = keep[:, :nb].repeat_interleave(self.block_rows, dim=1)[:, :n_rows]
+        return scores.masked_fill(~keep, float("-inf"))

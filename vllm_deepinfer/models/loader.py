@@ -1,0 +1,126 @@
+"""Loading of real-format DeepSeek-V4(.1)-Flash checkpoints into the torch model.
+
+The checkpoint is validated as a whole against the expected inventory before any parameter is
+written (missing tensor, wrong dtype or shape, NaN codes: the error names the tensor), so a bad
+checkpoint never leaves a half-initialised model. FP8 block and MXFP4 tensors are dequantised
+here; MTP/DSpark (`mtp.*`) tensors belong to the drafter and the vision tower to the VL wrapper,
+so the text model skips them with one log line.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from vllm_deepinfer.checkpoint.formats import check_no_nan_codes, dequant_fp8_block, dequant_mxfp4
+from vllm_deepinfer.checkpoint.inventory import InventoryError, validate_inventory
+from vllm_deepinfer.config import ArchConfig
+
+logger = logging.getLogger(__name__)
+
+SAFETENSORS_DTYPE = {
+    torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16", torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e8m0fnu: "F8_E8M0", torch.int8: "I8", torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8",
+}
+DRAFT_PREFIX = "mtp."
+VISION_PREFIXES = ("vision.", "aligner.", "image_")
+_EXPERT = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")
+_HC = re.compile(r"^(.*?)hc_(attn|ffn|head)_(fn|base|scale)$")
+
+
+def target_name(name: str) -> str:
+    """Module path of a (non-expert) checkpoint tensor in DeepseekForCausalLM."""
+    if name == "head.weight":
+        return "lm_head.weight"
+    if m := _HC.match(name):
+        name = f"{m.group(1)}hc_{m.group(2)}.{m.group(3)}"
+    return "model." + name
+
+
+def _decode(name: str, tensors: dict[str, torch.Tensor], block: int) -> torch.Tensor:
+    """Full-precision value of checkpoint tensor `name` (dequantised when stored with a scale)."""
+    t = tensors[name]
+    scale = tensors.get(name[: -len("weight")] + "scale") if name.endswith(".weight") else None
+    if t.dtype == torch.float8_e4m3fn and scale is not None:
+        return dequant_fp8_block(t, scale, block)
+    if t.dtype == torch.int8 and scale is not None:
+        return dequant_mxfp4(t, scale)
+    return t
+
+
+def load_checkpoint(model: nn.Module, arch: ArchConfig, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    """Validate and load checkpoint `weights`; returns the names of the parameters written."""
+    tensors: dict[str, torch.Tensor] = {}
+    found: dict[str, tuple[str, tuple[int, ...]]] = {}
+    skipped = {"draft": 0, "vision": 0}
+    for name, t in weights:
+        found[name] = (SAFETENSORS_DTYPE.get(t.dtype, str(t.dtype)), tuple(t.shape))
+        if name.startswith(DRAFT_PREFIX):
+            skipped["draft"] += 1
+        elif name.startswith(VISION_PREFIXES):
+            skipped["vision"] += 1
+        else:
+            tensors[name] = t
+    _validate(arch, found, tensors)
+    if skipped["vision"]:
+        logger.info("DeepInfer: text-only model, skipped %d vision-tower tensors", skipped["vision"])
+    if skipped["draft"]:
+        logger.info("DeepInfer: %d draft (mtp.*) tensors are left to the speculative drafter", skipped["draft"])
+
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    loaded: set[str] = set()
+    block = arch.weight_block_size
+    for name in tensors:
+        if name.endswith(".scale") and name[: -len("scale")] + "weight" in tensors:
+            if ".engram.embed." not in name:
+                continue  # consumed with its weight
+        if m := _EXPERT.match(name):
+            prefix, e, which = m.group(1), int(m.group(2)), m.group(3)
+            value = _decode(name, tensors, block)
+            inter = arch.moe_intermediate_size
+            if which == "w2":
+                dst, rows = f"model.{prefix}.w2", slice(None)
+            else:
+                dst, rows = f"model.{prefix}.w13", slice(0, inter) if which == "w1" else slice(inter, 2 * inter)
+            params[dst].data[e, rows].copy_(value)
+            loaded.add(dst)
+            continue
+        dst = target_name(name)
+        value = _decode(name, tensors, block)
+        if dst in buffers:
+            buffers[dst].copy_(value)
+            continue
+        if dst not in params:
+            raise InventoryError(f"checkpoint tensor '{name}' has no parameter '{dst}' in the model")
+        param = params[dst]
+        loader = getattr(param, "weight_loader", None)
+        if loader is not None:
+            loader(param, value.to(param.dtype))
+        else:
+            if tuple(param.shape) != tuple(value.shape):
+                raise InventoryError(f"checkpoint tensor '{name}' has shape {list(value.shape)}, "
+                                      f"parameter '{dst}' expects {list(param.shape)}")
+            param.data.copy_(value)
+        loaded.add(dst)
+    missing = set(params) - loaded
+    if missing:
+        raise InventoryError(f"parameters not initialised by the checkpoint: {sorted(missing)[:10]}")
+    return loaded
+
+
+def _validate(arch: ArchConfig, found: dict[str, tuple[str, tuple[int, ...]]],
+              tensors: dict[str, torch.Tensor]) -> None:
+    """Inventory, dtype and shape checks over the whole checkpoint, NaN codes over the text model."""
+    has_vision = any(n.startswith(VISION_PREFIXES) for n in found)
+    validate_inventory(found, arch, include_vision=has_vision or None)
+    for name, t in tensors.items():
+        if t.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu):
+            check_no_nan_codes(t, name)
+
+
+__all__ = ["InventoryError", "load_checkpoint", "target_name"]

@@ -1,0 +1,57 @@
+"""`deepinfer_fp8`: the quantization config of DeepSeek-V4(.1)-Flash checkpoints under the plugin.
+
+The checkpoints declare `quant_method: fp8` (FP8 e4m3 with UE8M0 block scales, MXFP4 experts).
+vLLM routes them to `deepseek_v4_fp8`, whose layers the DeepInfer model does not use, and which
+rejects float32 and refuses V4.1 off CUDA/ROCm. This config claims both checkpoint families while
+the plugin is active; the DeepInfer model reads the quantised tensors itself (see models/loader.py),
+so no vLLM layer gets a quantize method from here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.model_executor.layers.quantization import register_quantization_config
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+
+from vllm_deepinfer.registry import MODEL_TYPES
+
+NAME = "deepinfer_fp8"
+
+
+@register_quantization_config(NAME)
+class DeepInferFP8Config(QuantizationConfig):
+    def __init__(self, weight_block_size: list[int], expert_dtype: str):
+        super().__init__()
+        self.weight_block_size = weight_block_size
+        self.expert_dtype = expert_dtype
+
+    def get_name(self) -> str:
+        return NAME
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 0
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "DeepInferFP8Config":
+        return cls(config.get("weight_block_size", [128, 128]), config.get("expert_dtype", "fp4"))
+
+    @classmethod
+    def override_quantization_method(cls, hf_quant_cfg: dict[str, Any], user_quant: str | None,
+                                     hf_config: Any = None) -> str | None:
+        model_type = getattr(hf_config, "model_type", None)
+        if model_type in MODEL_TYPES and hf_quant_cfg.get("quant_method") == "fp8" and user_quant in (None, "fp8", NAME):
+            return NAME
+        return None
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+        return None

@@ -1,0 +1,21 @@
+"""Rotary tables of the two RoPE variants (model-spec §3.3): main (m = 0 layers) and compress (m > 0)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vllm_deepinfer.config import ArchConfig
+from vllm_deepinfer import ops
+
+
+class RotaryTable(nn.Module):
+    """Per-pair frequencies of one table; `cos_sin(positions)` gives fp32 [N, r/2] pairs."""
+
+    def __init__(self, arch: ArchConfig, compressed: bool):
+        super().__init__()
+        freqs = arch.yarn_inv_freq() if compressed else arch.main_inv_freq()
+        self.register_buffer("inv_freq", torch.tensor(freqs, dtype=torch.float64), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return ops.rope_cos_sin(positions, self.inv_freq)

@@ -1,0 +1,69 @@
+"""Per-forward batch state shared by all layers of one step."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import torch
+from vllm.forward_context import get_forward_context, is_forward_context_available
+
+from vllm_deepinfer.attention.backend import PagedCacheMetadata
+from vllm_deepinfer.attention.caches import PagedCache
+
+
+@dataclasses.dataclass
+class RequestSpan:
+    """Tokens [start, end) of the batch belong to request `req`, at positions first..first+n-1."""
+
+    req: int
+    start: int
+    end: int
+    first_pos: int
+
+    @property
+    def positions(self) -> range:
+        return range(self.first_pos, self.first_pos + self.end - self.start)
+
+
+@dataclasses.dataclass
+class StepBatch:
+    """Layout of the scheduled tokens plus the buffers that index sources publish to consumers.
+
+    token_ids/positions: [T]; `topk[l]`: [T, k] compressed-row ids selected by index source l
+    (-1 = none); `candidates[l]`: [T, n_blocks] candidate block ids published by layer l.
+    """
+
+    token_ids: torch.Tensor
+    positions: torch.Tensor
+    spans: list[RequestSpan]
+    attn_metadata: dict[str, PagedCacheMetadata] | None
+    topk: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    candidates: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    @property
+    def has_cache(self) -> bool:
+        """False in vLLM's dummy/profiling runs, which bring no cache metadata."""
+        return bool(self.attn_metadata)
+
+    def meta(self, cache: PagedCache) -> PagedCacheMetadata:
+        return self.attn_metadata[cache.prefix]
+
+    def __iter__(self) -> Iterator[RequestSpan]:
+        return iter(self.spans)
+
+    @classmethod
+    def from_forward_context(cls, token_ids: torch.Tensor, positions: torch.Tensor) -> "StepBatch":
+        attn_metadata = None
+        if is_forward_context_available():
+            attn_metadata = get_forward_context().attn_metadata
+        if isinstance(attn_metadata, list):  # micro-batching is not used by this model
+            attn_metadata = attn_metadata[0] if attn_metadata else None
+        if not attn_metadata:
+            return cls(token_ids, positions, [], None)
+        meta = next(iter(attn_metadata.values()))
+        qsl = meta.query_start_loc[: meta.num_reqs + 1]
+        firsts = positions[qsl[:-1].clamp(max=max(positions.numel() - 1, 0)).to(positions.device)].tolist()
+        qsl = qsl.tolist()
+        spans = [RequestSpan(r, qsl[r], qsl[r + 1], firsts[r]) for r in range(meta.num_reqs) if qsl[r + 1] > qsl[r]]
+        return cls(token_ids, positions, spans, attn_metadata)

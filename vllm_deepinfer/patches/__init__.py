@@ -1,0 +1,23 @@
+"""Every patch of vLLM internals lives here, each in its own module with its reason.
+
+`apply_all()` is called by the general plugin in every vLLM process; each patch checks the exact
+vLLM version it was written for and fails loudly on any other.
+"""
+
+from __future__ import annotations
+
+import vllm
+
+SUPPORTED_VLLM = "0.32.0"
+
+
+def check_vllm_version() -> None:
+    if vllm.__version__ != SUPPORTED_VLLM:
+        raise RuntimeError(f"vllm-deepinfer patches vLLM {SUPPORTED_VLLM} internals; found vLLM {vllm.__version__}")
+
+
+def apply_all() -> None:
+    from vllm_deepinfer.patches import cpu_platform
+
+    check_vllm_version()
+    cpu_platform.apply()

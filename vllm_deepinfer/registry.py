@@ -1,0 +1,25 @@
+"""Which models and components the plugin provides to vLLM."""
+
+from __future__ import annotations
+
+import os
+
+#: vLLM architecture name -> our implementation (lazy "module:Class" strings).
+MODELS = {
+    "DeepseekV4ForCausalLM": "vllm_deepinfer.models.deepseek:DeepseekV4ForCausalLM",
+    "DeepseekV41ForCausalLM": "vllm_deepinfer.models.deepseek:DeepseekV41ForCausalLM",
+}
+MODEL_TYPES = ("deepseek_v4", "deepseek_v41")
+
+
+def plugin_disabled() -> bool:
+    """DEEPINFER_DISABLE=1 leaves vLLM's own DeepSeek-V4/V4.1 in place."""
+    return os.environ.get("DEEPINFER_DISABLE", "0").lower() in ("1", "true", "yes")
+
+
+def is_deepinfer_model(model_config) -> bool:
+    """Whether vLLM will build one of our classes for this model config."""
+    if plugin_disabled() or model_config is None:
+        return False
+    archs = getattr(model_config, "architectures", None) or getattr(model_config.hf_config, "architectures", [])
+    return any(a in MODELS for a in archs or [])
