@@ -379,7 +379,9 @@ def make_checkpoint(arch: str, preset: str = "tiny", out: str | os.PathLike = "c
     cfg0 = build_config(arch, preset, layers, index_topk=index_topk, fast=fast, config=config, overrides=overrides,
                         include_vision=include_vision, tokenizer_info=info)
     if fam == "v41" and (cfg0["text_config"].get("engram_layer_ids")):
-        cvs = engram_hash.compressed_vocab_size(out)
+        from tokenizers import Tokenizer
+
+        cvs = engram_hash.compressed_vocab_size(Tokenizer.from_file(str(out / "tokenizer.json")))
     cfg = build_config(arch, preset, layers, index_topk=index_topk, fast=fast, config=config, overrides=overrides,
                        include_vision=include_vision, tokenizer_info=info, compressed_vocab=cvs)
     (out / "config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
@@ -471,7 +473,7 @@ def self_check(out_dir: str | os.PathLike) -> dict:
                                                      len(a.engram_layer_ids))
             if list(a.engram_num_embeddings) != rows:
                 raise AssertionError(f"engram_num_embeddings {list(a.engram_num_embeddings)} != prime sums {rows}")
-            cvs = engram_hash.compressed_vocab_size(out)
+            cvs = engram_hash.compressed_vocab_size(tok)  # the raw tokenizers backend of tokenizer.json
             if cvs != a.engram_compressed_vocab_size:
                 raise AssertionError(f"engram_compressed_vocab_size {a.engram_compressed_vocab_size} != {cvs} "
                                      "rebuilt from the tokenizer")
