@@ -76,9 +76,11 @@ def load_checkpoint(model: nn.Module, arch: ArchConfig, weights: Iterable[tuple[
     loaded: set[str] = set()
     block = arch.weight_block_size
     for name in tensors:
+        if ".engram.embed." in name:  # the table stays FP8 (decoded per looked-up row)
+            buffers[target_name(name)].copy_(tensors[name])
+            continue
         if name.endswith(".scale") and name[: -len("scale")] + "weight" in tensors:
-            if ".engram.embed." not in name:
-                continue  # consumed with its weight
+            continue  # consumed with its weight
         if m := _EXPERT.match(name):
             prefix, e, which = m.group(1), int(m.group(2)), m.group(3)
             value = _decode(name, tensors, block)
