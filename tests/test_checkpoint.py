@@ -246,6 +246,43 @@ def test_mxfp4_roundtrip_and_nibble_order():
     assert torch.equal(formats.dequant_mxfp4(q, s), vals)
 
 
+def test_mxfp4_rounding_is_nearest_ties_to_even():
+    """Each E2M1 code is the nearest grid value (ties to the even code), checked against brute force."""
+    x = torch.cat([torch.linspace(-7, 7, 20001), torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -5.0])])
+    x = torch.cat([x, torch.zeros(-x.numel() % 32)]).reshape(-1, 32)
+    x[:, 0] = 6.0  # pin every group's scale to 2**0
+    grid = torch.tensor(formats.E2M1_VALUES)
+    d = (x.reshape(-1).abs().clamp(max=6)[:, None] - grid[None]).abs()
+    cand = d == d.min(1, keepdim=True).values
+    idx = torch.arange(8)[None].expand_as(cand)
+    code = torch.where(cand & (idx % 2 == 0), idx, torch.where(cand, idx + 100, 1000)).min(1).values % 100
+    expected = (grid[code] * torch.sign(x.reshape(-1))).reshape(x.shape)
+    q, s = formats.quant_mxfp4(x)
+    assert bool((s.view(torch.uint8) == 127).all())
+    assert torch.equal(formats.dequant_mxfp4(q, s), expected)
+
+
+def test_engram_reference_hash():
+    primes = engram_hash.bucket_primes(1000, 2, 4, 1)[0]
+    offs = engram_hash.bucket_offsets([primes])[0]
+    mult = engram_hash.hash_multipliers(1, 500, 4)
+    pad = 7
+    ids = [11, 22, 33]
+    h = engram_hash.hash_ids(ids, 1, primes, offs, mult, n_heads=2, max_ngram=4, pad_id=pad)
+    assert h.shape == (3, 6) and h.dtype == np.int64
+    # position 1, 3-gram (order 3, lookback s=2 is before the start -> pad)
+    r = (22 * mult[0]) ^ (11 * mult[1]) ^ (pad * mult[2])
+    assert h[1, 2] == r % primes[2] + offs[2] and h[1, 3] == r % primes[3] + offs[3]
+    # a dead (image) token breaks the n-grams of later positions
+    h2 = engram_hash.hash_ids(ids, 1, primes, offs, mult, 2, 4, pad, dead=[True, False, False])
+    r2 = (33 * mult[0]) ^ (22 * mult[1]) ^ (pad * mult[2]) ^ (pad * mult[3])
+    assert h2[2, 4] == r2 % primes[4] + offs[4]
+    # chunk look-back: the same hashes as hashing the whole sequence
+    full = engram_hash.hash_ids(ids + [44, 55], 1, primes, offs, mult, 2, 4, pad)
+    chunk = engram_hash.hash_ids([44, 55], 1, primes, offs, mult, 2, 4, pad, history=ids)
+    assert np.array_equal(full[3:], chunk)
+
+
 def test_fp8_rows_roundtrip():
     g = torch.Generator().manual_seed(2)
     w = torch.randn(50, 64, generator=g)

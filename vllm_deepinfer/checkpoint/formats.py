@@ -55,8 +55,8 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _E8M0_LUT = torch.tensor([math.ldexp(1.0, b - 127) for b in range(255)] + [float("nan")], dtype=torch.float32)
 # Signed E2M1 value of every nibble 0..15.
 _E2M1_LUT = torch.tensor(list(E2M1_VALUES) + [-v for v in E2M1_VALUES], dtype=torch.float32)
-# Midpoints between consecutive E2M1 magnitudes (for round-to-nearest).
-_E2M1_MID = torch.tensor([(a + b) / 2 for a, b in zip(E2M1_VALUES[:-1], E2M1_VALUES[1:])], dtype=torch.float32)
+# Both E2M1 values of every packed byte: row b = (value of low nibble, value of high nibble).
+_E2M1_PAIR_LUT = torch.stack((_E2M1_LUT[torch.arange(256) & 0x0F], _E2M1_LUT[torch.arange(256) >> 4]), dim=1).contiguous()
 
 
 class FormatError(ValueError):
@@ -105,10 +105,10 @@ def fp8_to_float(weight: torch.Tensor) -> torch.Tensor:
     return weight.to(torch.float32)
 
 
-def _to_fp8(x: torch.Tensor) -> torch.Tensor:
-    """fp32 -> E4M3 with round-to-nearest-even, clamped to +-448 (never produces NaN codes)."""
-    x = torch.nan_to_num(x.to(torch.float32), nan=0.0)
-    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+def _to_fp8_(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> E4M3 with round-to-nearest-even, clamped to +-448 (never produces NaN codes: NaN -> 0).
+    Modifies `x` (a float32 temporary) in place."""
+    return torch.nan_to_num_(x, nan=0.0).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
 def _block_pair(block) -> tuple[int, int]:
@@ -132,8 +132,13 @@ def dequant_fp8_block(weight: torch.Tensor, scale: torch.Tensor, block=128) -> t
         raise FormatError(f"block scale shape {tuple(scale.shape)} does not match weight {tuple(weight.shape)} "
                           f"with block {bn}x{bk} (expected {tuple(weight.shape[:-2]) + (nb, kb)})")
     s = scale.to(torch.float32) if scale.is_floating_point() and scale.dtype != E8M0_DTYPE else e8m0_to_float(scale)
-    s = s.repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
-    return fp8_to_float(weight) * s
+    out = fp8_to_float(weight)
+    lead = weight.shape[:-2]
+    if n % bn == 0 and k % bk == 0:  # broadcast in place, no full-size scale tensor
+        out.view(*lead, nb, bn, kb, bk).mul_(s.view(*lead, nb, 1, kb, 1))
+        return out
+    full = s.repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
+    return out.mul_(full)
 
 
 def quant_fp8_block(w: torch.Tensor, block=128) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,14 +153,17 @@ def quant_fp8_block(w: torch.Tensor, block=128) -> tuple[torch.Tensor, torch.Ten
         raise FormatError(f"quant_fp8_block expects a 2-D matrix, got shape {tuple(w.shape)}")
     n, k = w.shape
     nb, kb = -(-n // bn), -(-k // bk)
-    padded = torch.zeros(nb * bn, kb * bk, dtype=torch.float32)
-    padded[:n, :k] = w
-    amax = padded.abs().view(nb, bn, kb, bk).amax(dim=(1, 3))
-    e = _ceil_log2(torch.clamp(amax, min=math.ldexp(FP8_MAX, -126)) / FP8_MAX)
-    e = e.clamp(-127, 127)
+    if n % bn or k % bk:
+        padded = torch.zeros(nb * bn, kb * bk, dtype=torch.float32)
+        padded[:n, :k] = w
+    else:
+        padded = w.contiguous()
+    blocks = padded.view(nb, bn, kb, bk)
+    amax = torch.maximum(blocks.amax(dim=(1, 3)), -blocks.amin(dim=(1, 3)))
+    e = _ceil_log2(torch.clamp(amax, min=math.ldexp(FP8_MAX, -126)) / FP8_MAX).clamp(-127, 127)
     inv = torch.ldexp(torch.ones_like(amax), -e)  # exact 2**-e
-    inv_full = inv.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
-    return _to_fp8(w * inv_full), float_exponent_to_e8m0(e)
+    scaled = (blocks * inv.view(nb, 1, kb, 1)).view(nb * bn, kb * bk)[:n, :k]
+    return _to_fp8_(scaled), float_exponent_to_e8m0(e)
 
 
 # ---------------------------------------------------------------------------------------- MXFP4
@@ -170,23 +178,25 @@ def dequant_mxfp4(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     if scale.shape[:-1] != b.shape[:-1] or scale.shape[-1] * MX_BLOCK != k:
         raise FormatError(f"MXFP4 scale shape {tuple(scale.shape)} does not match packed weight {tuple(b.shape)} "
                           f"(expected {tuple(b.shape[:-1]) + (k // MX_BLOCK,)})")
-    lut = _E2M1_LUT.to(b.device)
-    lo = lut[(b & 0x0F).long()]
-    hi = lut[(b >> 4).long()]
-    vals = torch.stack((lo, hi), dim=-1).reshape(*b.shape[:-1], k)
-    s = e8m0_to_float(scale)
-    return (vals.view(*b.shape[:-1], k // MX_BLOCK, MX_BLOCK) * s.unsqueeze(-1)).reshape(*b.shape[:-1], k)
+    pair_lut = _E2M1_PAIR_LUT.to(b.device)  # byte -> (low-nibble value, high-nibble value)
+    vals = pair_lut.index_select(0, b.reshape(-1).to(torch.int32)).view(*b.shape[:-1], k)
+    vals.view(*b.shape[:-1], k // MX_BLOCK, MX_BLOCK).mul_(e8m0_to_float(scale).unsqueeze(-1))
+    return vals
 
 
 def _e2m1_codes(x: torch.Tensor) -> torch.Tensor:
-    """Nearest E2M1 nibble of each element (ties to the even code; magnitudes saturate at 6)."""
-    mag = x.abs().clamp(max=FP4_MAX).contiguous()
-    mid = _E2M1_MID.to(x.device)
-    code = torch.searchsorted(mid, mag, right=False)  # number of midpoints strictly below mag
-    tie = (code < len(mid)) & (mag == mid[code.clamp(max=len(mid) - 1)]) & (code % 2 == 1)
-    code = code + tie.to(code.dtype)
-    sign = ((x < 0) & (code > 0)).to(code.dtype) << 3
-    return (code | sign).to(torch.uint8)
+    """Nearest E2M1 nibble of each element (ties to the even code; magnitudes saturate at 6).
+
+    The E2M1 grid has step 0.5 on [0, 2], 1 on [2, 4] and 2 on [4, 6], so the code is a half-to-even rounding
+    inside the segment (the parity of the rounded step equals the parity of the code).
+    """
+    mag = torch.nan_to_num(x.abs(), nan=0.0).clamp_(max=FP4_MAX)
+    step = torch.where(mag < 2.0, mag * 2.0, torch.where(mag < 4.0, mag + 2.0, mag * 0.5 + 4.0))
+    # round half to even of values in [0, 7] via the float32 magic number 1.5 * 2**23 (exact IEEE arithmetic;
+    # torch.round is very slow on some CPUs)
+    code = (step + 12582912.0) - 12582912.0
+    code = code.to(torch.uint8)
+    return code | (((x < 0) & (code > 0)).to(torch.uint8) << 3)
 
 
 def quant_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,10 +210,10 @@ def quant_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if k % MX_BLOCK:
         raise FormatError(f"MXFP4 needs the input dim to be a multiple of {MX_BLOCK}, got {k}")
     g = w.reshape(*w.shape[:-1], k // MX_BLOCK, MX_BLOCK)
-    amax = g.abs().amax(dim=-1)
+    amax = torch.maximum(g.amax(dim=-1), -g.amin(dim=-1))
     e = _ceil_log2(torch.clamp(amax, min=math.ldexp(FP4_MAX, -126)) / FP4_MAX).clamp(-127, 127)
     scaled = g * torch.ldexp(torch.ones_like(amax), -e).unsqueeze(-1)
-    codes = _e2m1_codes(scaled).reshape(*w.shape[:-1], k)
+    codes = _e2m1_codes(scaled).view(*w.shape[:-1], k)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return packed.view(torch.int8), float_exponent_to_e8m0(e)
 
@@ -219,8 +229,9 @@ def dequant_fp8_rows(weight: torch.Tensor, scale: torch.Tensor, group: int = MX_
     if scale.shape[:-1] != weight.shape[:-1] or scale.shape[-1] * group != d:
         raise FormatError(f"row scale shape {tuple(scale.shape)} does not match weight {tuple(weight.shape)} "
                           f"with group {group}")
-    w = fp8_to_float(weight).reshape(*weight.shape[:-1], d // group, group)
-    return (w * e8m0_to_float(scale).unsqueeze(-1)).reshape(weight.shape)
+    w = fp8_to_float(weight)
+    w.view(*weight.shape[:-1], d // group, group).mul_(e8m0_to_float(scale).unsqueeze(-1))
+    return w
 
 
 def quant_fp8_rows(w: torch.Tensor, group: int = MX_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -232,7 +243,7 @@ def quant_fp8_rows(w: torch.Tensor, group: int = MX_BLOCK) -> tuple[torch.Tensor
     g = w.reshape(*w.shape[:-1], d // group, group)
     amax = g.abs().amax(dim=-1)
     e = _ceil_log2(torch.clamp(amax, min=math.ldexp(FP8_MAX, -126)) / FP8_MAX).clamp(-127, 127)
-    q = _to_fp8(g * torch.ldexp(torch.ones_like(amax), -e).unsqueeze(-1))
+    q = _to_fp8_(g * torch.ldexp(torch.ones_like(amax), -e).unsqueeze(-1))
     return q.reshape(w.shape), float_exponent_to_e8m0(e)
 
 
