@@ -31,3 +31,7 @@ def register() -> None:
 
     for arch, target in MODELS.items():
         ModelRegistry.register_model(arch, target)
+
+    from vllm_deepinfer import serving
+
+    serving.register()

@@ -90,10 +90,10 @@ class Attention(nn.Module):
                 selected: torch.Tensor | None) -> torch.Tensor:
         """Attention of one request's queries q [n, H, d] over its window and compressed rows."""
         meta = batch.meta(self.window_cache)
-        pos = torch.arange(span.first_pos, span.first_pos + q.shape[0])
+        pos = span.pos(q.device)
         self.window_cache.write(meta, span.req, pos, kv)
         lo = max(0, span.first_pos - self.window + 1)
-        key_pos = torch.arange(lo, int(pos[-1]) + 1)
+        key_pos = torch.arange(lo, int(pos[-1]) + 1, device=q.device)
         keys = [self.window_cache.read(meta, span.req, key_pos)]
         dist = pos.unsqueeze(1) - key_pos.unsqueeze(0)
         allowed = [(dist >= 0) & (dist < self.window)]
@@ -101,12 +101,12 @@ class Attention(nn.Module):
             n_visible = (pos + 1) // self.plan.ratio
             n_rows = int(n_visible.max())
             if n_rows > 0:
-                rows = torch.arange(n_rows)
+                rows = torch.arange(n_rows, device=q.device)
                 keys.append(self.kv_source.read(batch.meta(self.kv_source), span.req, rows))
                 if selected is None:  # HCA: every visible row
                     allowed.append(rows.unsqueeze(0) < n_visible.unsqueeze(1))
                 else:
-                    mask = torch.zeros(q.shape[0], n_rows + 1, dtype=torch.bool)
+                    mask = torch.zeros(q.shape[0], n_rows + 1, dtype=torch.bool, device=q.device)
                     mask.scatter_(1, torch.where(selected >= 0, selected, n_rows).clamp(max=n_rows), True)
                     allowed.append(mask[:, :n_rows] & (rows.unsqueeze(0) < n_visible.unsqueeze(1)))
         return ops.sparse_attention(q, torch.cat(keys), torch.cat(allowed, dim=1), self.attn_sink, self.scale)

@@ -47,7 +47,7 @@ class Compressor(nn.Module):
         out = []
         if not self.gated:  # ratio 1: every token is its own group
             for span in batch:
-                g = torch.arange(span.first_pos, span.first_pos + span.end - span.start)
+                g = span.pos(x.device)
                 out.append((span, g, self.norm(kv[span.start:span.end])))
             return out
         score = self.wgate(xf)
@@ -57,7 +57,7 @@ class Compressor(nn.Module):
         m = self.ratio
         for span in batch:
             meta = batch.meta(self.state_cache)
-            pos = torch.arange(span.first_pos, span.first_pos + span.end - span.start)
+            pos = span.pos(x.device)
             self.state_cache.write(meta, span.req, pos, state[span.start:span.end])
             g = pos[(pos + 1) % m == 0] // m
             if g.numel() == 0:
@@ -70,7 +70,7 @@ class Compressor(nn.Module):
         m, w = self.ratio, self.width
         n_slots = 2 * m if self.overlap else m
         first = groups * m - (m if self.overlap else 0)
-        tok = first.unsqueeze(1) + torch.arange(n_slots)            # [G, S]
+        tok = first.unsqueeze(1) + torch.arange(n_slots, device=groups.device)            # [G, S]
         valid = tok >= 0
         rows = self.state_cache.read(meta, req, tok.clamp(min=0).flatten()).view(*tok.shape, -1).float()
         c = 2 if self.overlap else 1

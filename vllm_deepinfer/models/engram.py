@@ -65,10 +65,11 @@ class EngramHasher(nn.Module):
         is_image = (history >= self.image_token_id) & (history < self.image_token_id + IMAGE_TOKEN_SPAN)
         dead = ~history_valid | (is_image if self.image_token_id >= 0 else torch.zeros_like(is_image))
         n = history.numel() - (k - 1)
-        look = torch.arange(n).unsqueeze(1) + (k - 1) - torch.arange(k)     # [n, k]: shift s back from token
+        dev = history.device
+        look = torch.arange(n, device=dev).unsqueeze(1) + (k - 1) - torch.arange(k, device=dev)     # [n, k]: shift s back from token
         alive = torch.cumprod((~dead[look]).long(), dim=1).bool()
         vals = torch.where(alive, ids[look], self.pad_id)
-        rolling = torch.zeros(n, dtype=torch.long)
+        rolling = torch.zeros(n, dtype=torch.long, device=dev)
         cols = []
         for s in range(k):
             rolling = rolling ^ (vals[:, s] * self.multipliers[table, s])
@@ -115,7 +116,7 @@ class Engram(nn.Module):
     def lookback(self, batch: StepBatch, span: RequestSpan) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids of the span plus the max_ngram-1 before it (from the history cache)."""
         k = self.hasher[0].max_ngram
-        pos = torch.arange(span.first_pos - (k - 1), span.first_pos + span.end - span.start)
+        pos = span.pos(batch.positions.device, before=k - 1)
         valid = pos >= 0
         meta = batch.meta(self.history)
         ids = self.history.read(meta, span.req, pos.clamp(min=0)).view(-1)
@@ -141,5 +142,5 @@ def write_token_history(history: PagedCache, batch: StepBatch) -> None:
     if not batch.has_cache:
         return
     for span in batch:
-        pos = torch.arange(span.first_pos, span.first_pos + span.end - span.start)
+        pos = span.pos(batch.positions.device)
         history.write(batch.meta(history), span.req, pos, batch.token_ids[span.start:span.end].view(-1, 1))

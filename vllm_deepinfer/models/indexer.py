@@ -68,8 +68,9 @@ class Indexer(nn.Module):
         cos, sin = self.rope.cos_sin(batch.positions)
         q = ops.apply_rope(q, cos, sin)
         w = self.weights_proj(x).float() * self.weight_scale
-        ids = torch.full((t, self.topk), -1, dtype=torch.long)
-        cand_out = torch.full((t, max(self.n_blocks, 1)), -1, dtype=torch.long) if self.plan.candidate_source else None
+        dev = x.device
+        ids = torch.full((t, self.topk), -1, dtype=torch.long, device=dev)
+        cand_out = torch.full((t, max(self.n_blocks, 1)), -1, dtype=torch.long, device=dev) if self.plan.candidate_source else None
         cands = batch.candidates.get(self.candidate_layer) if self.plan.candidate_consumer else None
         for span in batch:
             pos = batch.positions[span.start:span.end].long()
@@ -77,7 +78,7 @@ class Indexer(nn.Module):
             n_rows = int(n_valid.max())
             if n_rows == 0:
                 continue
-            rows = torch.arange(n_rows)
+            rows = torch.arange(n_rows, device=dev)
             valid = rows.unsqueeze(0) < n_valid.unsqueeze(1)        # [n, N]
             if n_rows <= self.topk:                                  # every valid row is selected
                 ids[span.start:span.end, :n_rows] = torch.where(valid, rows, -1)
@@ -103,14 +104,14 @@ class Indexer(nn.Module):
         padded = torch.nn.functional.pad(scores, (0, nb * self.block_rows - n_rows), value=float("-inf"))
         block_scores = padded.view(n, nb, self.block_rows).amax(-1)
         newest = ((n_valid - 1) // self.block_rows).clamp(min=0)
-        block_scores[torch.arange(n), newest] = float("inf")
+        block_scores[torch.arange(n, device=scores.device), newest] = float("inf")
         return ops.topk_rows(block_scores, self.n_blocks)
 
     def _restrict_to_blocks(self, scores: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         """Keep only rows inside the published candidate blocks [n, n_blocks] (-1 = none)."""
         n, n_rows = scores.shape
         nb = -(-n_rows // self.block_rows)
-        keep = torch.zeros(n, nb + 1, dtype=torch.bool)
+        keep = torch.zeros(n, nb + 1, dtype=torch.bool, device=scores.device)
         keep.scatter_(1, torch.where(blocks >= 0, blocks, nb), True)
         keep = keep[:, :nb].repeat_interleave(self.block_rows, dim=1)[:, :n_rows]
         return scores.masked_fill(~keep, float("-inf"))

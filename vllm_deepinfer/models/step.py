@@ -21,9 +21,9 @@ class RequestSpan:
     end: int
     first_pos: int
 
-    @property
-    def positions(self) -> range:
-        return range(self.first_pos, self.first_pos + self.end - self.start)
+    def pos(self, device: torch.device, before: int = 0) -> torch.Tensor:
+        """Positions of the span's tokens, preceded by `before` earlier positions (may be negative)."""
+        return torch.arange(self.first_pos - before, self.first_pos + self.end - self.start, device=device)
 
 
 @dataclasses.dataclass
