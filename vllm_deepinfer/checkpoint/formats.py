@@ -102,7 +102,7 @@ def fp8_to_float(weight: torch.Tensor) -> torch.Tensor:
     """Decode E4M3 (``float8_e4m3fn`` or raw ``uint8`` bytes) to fp32."""
     if weight.dtype != FP8_DTYPE:
         weight = _as_u8(weight).view(FP8_DTYPE)
-    return weight.to(torch.float32)
+    return weight.to(torch.float32, memory_format=torch.contiguous_format)
 
 
 def _to_fp8_(x: torch.Tensor) -> torch.Tensor:
@@ -135,7 +135,7 @@ def dequant_fp8_block(weight: torch.Tensor, scale: torch.Tensor, block=128) -> t
     out = fp8_to_float(weight)
     lead = weight.shape[:-2]
     if n % bn == 0 and k % bk == 0:  # broadcast in place, no full-size scale tensor
-        out.view(*lead, nb, bn, kb, bk).mul_(s.view(*lead, nb, 1, kb, 1))
+        out.view(*lead, nb, bn, kb, bk).mul_(s.reshape(*lead, nb, 1, kb, 1))
         return out
     full = s.repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
     return out.mul_(full)
@@ -179,7 +179,7 @@ def dequant_mxfp4(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         raise FormatError(f"MXFP4 scale shape {tuple(scale.shape)} does not match packed weight {tuple(b.shape)} "
                           f"(expected {tuple(b.shape[:-1]) + (k // MX_BLOCK,)})")
     pair_lut = _E2M1_PAIR_LUT.to(b.device)  # byte -> (low-nibble value, high-nibble value)
-    vals = pair_lut.index_select(0, b.reshape(-1).to(torch.int32)).view(*b.shape[:-1], k)
+    vals = pair_lut.index_select(0, b.reshape(-1).to(torch.int32)).view(*b.shape[:-1], k)  # fresh, contiguous
     vals.view(*b.shape[:-1], k // MX_BLOCK, MX_BLOCK).mul_(e8m0_to_float(scale).unsqueeze(-1))
     return vals
 
