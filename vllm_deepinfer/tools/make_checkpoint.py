@@ -213,6 +213,8 @@ def build_config(arch: str, preset: str = "tiny", layers: int | None = None, *, 
     for key, value in (overrides or {}).items():
         if "." in key:
             head, sub = key.split(".", 1)
+            if head == "vision_config" and fam == "v41" and not include_vision:
+                continue
             cfg.setdefault(head, {})[sub] = value
         elif fam == "v41" and key not in ("architectures", "model_type", "image_token_id", "dtype",
                                           "quantization_config", "vision_config", "text_config"):
