@@ -616,10 +616,15 @@ class DenseV41:
         n = keys.shape[0]
         out = torch.empty(T, n, dtype=x.dtype)
         valid = torch.arange(n)[None, :] < ((pos + 1) // m)[:, None]
-        B = 256
+        out.fill_(float("-inf"))
+        B = 128
         for s in range(0, T, B):
-            dots = torch.einsum("thd,nd->thn", qI[s:s + B], keys).clamp_min_(0)
-            out[s:s + B] = torch.einsum("th,thn->tn", w[s:s + B], dots)
+            e = min(T, s + B)
+            nv = min(n, int((pos[e - 1] + 1) // m))  # rows visible to the block's last query
+            if nv == 0:
+                continue
+            dots = (qI[s:e].reshape(-1, self.dI) @ keys[:nv].T).view(e - s, self.HI, nv).clamp_min_(0)
+            out[s:e, :nv] = (w[s:e].unsqueeze(1) @ dots).squeeze(1)
         return out.masked_fill(~valid, float("-inf")), valid
 
     def _candidate_mask(self, scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -656,7 +661,13 @@ class DenseV41:
         return torch.where(few[:, None], valid, sel)
 
     def _attend(self, q, k, rows, sel, sink, pos) -> torch.Tensor:
-        """q [T,H,d]; window keys k [T,d]; compressed rows [n,d] with sel [T,n] (or None)."""
+        """q [T,H,d]; window keys k [T,d]; compressed rows [n,d] with sel [T,n] (or None).
+
+        Per query p: keys = window {p-W+1..p} plus the selected compressed rows, and a
+        virtual sink key (logit attn_sink_h, value 0).  Queries are processed in blocks;
+        a block only touches the rows that at least one of its queries selected (masked
+        rows contribute exactly 0, so this is a pure work saving).
+        """
         T, H, d = q.shape
         W = self.W
         scale = d ** -0.5
@@ -664,27 +675,29 @@ class DenseV41:
         B = 128
         for s in range(0, T, B):
             e = min(T, s + B)
+            b = e - s
             ks = max(0, s - W + 1)
-            qb = q[s:e]  # [b,H,d]
+            qb = q[s:e].reshape(b * H, d)
             kb = k[ks:e]  # [nk,d]
-            lw = torch.einsum("bhd,nd->bhn", qb, kb) * scale
+            nk = kb.shape[0]
+            lw = (qb @ kb.T).view(b, H, nk) * scale
             qp = pos[s:e][:, None]
             kp = pos[ks:e][None, :]
             wmask = (kp <= qp) & (kp > qp - W)
-            lw = lw.masked_fill(~wmask[:, None, :], float("-inf"))
-            parts = [lw]
+            parts = [lw.masked_fill(~wmask[:, None, :], float("-inf"))]
+            rb = None
             if rows is not None and rows.shape[0] > 0:
-                lc = torch.einsum("bhd,nd->bhn", qb, rows) * scale
-                lc = lc.masked_fill(~sel[s:e][:, None, :], float("-inf"))
-                parts.append(lc)
-            parts.append(sink.view(1, H, 1).expand(e - s, H, 1))
-            logits = torch.cat(parts, dim=-1)
-            a = torch.softmax(logits, dim=-1)
-            nk = kb.shape[0]
-            o = torch.einsum("bhn,nd->bhd", a[..., :nk], kb)
-            if len(parts) == 3:
-                o = o + torch.einsum("bhn,nd->bhd", a[..., nk:-1], rows)
-            out[s:e] = o
+                cols = torch.nonzero(sel[s:e].any(0)).squeeze(-1)
+                if cols.numel() > 0:
+                    rb = rows[cols]
+                    lc = (qb @ rb.T).view(b, H, -1) * scale
+                    parts.append(lc.masked_fill(~sel[s:e][:, cols][:, None, :], float("-inf")))
+            parts.append(sink.view(1, H, 1).expand(b, H, 1))
+            a = torch.softmax(torch.cat(parts, dim=-1), dim=-1)
+            o = a[..., :nk].reshape(b * H, nk) @ kb
+            if rb is not None:
+                o = o + a[..., nk:-1].reshape(b * H, -1) @ rb
+            out[s:e] = o.view(b, H, d)
         return out
 
     def _attention(self, l: int, x: torch.Tensor, pos: torch.Tensor, st: dict) -> torch.Tensor:
@@ -708,6 +721,9 @@ class DenseV41:
             rows = st["rows"][self.kv_src[l]]
             if l in self.index_sources:
                 scores, valid = self._index_scores(l, x, cq, pos, st["ikeys"][self.kv_src[l]])
+                if st.get("trace") is not None:
+                    st["trace"].setdefault("scores", {})[l] = scores
+                    st["trace"].setdefault("valid", {})[l] = valid
                 use_cand = self.cand_src >= 0 and self.cand_blocks > 0 and self.cand_bs > 0
                 if use_cand and l == self.cand_src:
                     st["cand"] = self._candidate_mask(scores, valid)  # own top-k: unmasked
@@ -782,8 +798,14 @@ class DenseV41:
 
     # -- public API ---------------------------------------------------------------
     @torch.no_grad()
-    def hidden(self, token_ids: list[int]) -> torch.Tensor:
-        """Final normed hidden states [T, D] (before the head)."""
+    def hidden(self, token_ids: list[int], trace: dict | None = None) -> torch.Tensor:
+        """Final normed hidden states [T, D] (before the head).
+
+        If ``trace`` is a dict it receives the per-layer intermediates for tests:
+        ``rows``/``ikeys`` (compressed KV / index keys per KV source), ``sel`` (bool
+        [T, n] selection per index source), ``cand`` (candidate-row mask), ``scores``
+        and ``valid`` (indexer scores before the candidate mask, per index source).
+        """
         ids = [int(i) for i in token_ids]
         if not ids:
             raise ValueError("empty token sequence")
@@ -794,7 +816,7 @@ class DenseV41:
         e = self.embed[torch.tensor(ids)]
         X = e.unsqueeze(1).expand(T, self.hc, self.D).contiguous()
         pi = None  # None = select stream 0 (first attention input is the embedding)
-        st = {"rows": {}, "ikeys": {}, "sel": {}, "cand": None}
+        st = {"rows": {}, "ikeys": {}, "sel": {}, "cand": None, "trace": trace}
         for l in range(self.L):
             Lw = self.layers[l]
             if l > 0 and l in self.engram_ids:
@@ -810,6 +832,8 @@ class DenseV41:
             X = self._hc_post(X, y, post, C)
             pi = pre
         h = (pi.unsqueeze(-1) * X).sum(1)
+        if trace is not None:
+            trace.update({k: st[k] for k in ("rows", "ikeys", "sel", "cand")})
         return _rmsnorm(h, self.norm_w, self.eps)
 
     @torch.no_grad()
