@@ -41,7 +41,7 @@ def tiny_checkpoint(root: Path, arch: str, seed: int = 0, **config_overrides) ->
         _CACHE[base_key] = Path(make_checkpoint(arch, "tiny", root / f"{arch}-s{seed}", seed=seed))
     if not config_overrides:
         return _CACHE[base_key]
-    out = root / f"{arch}-s{seed}-" + "-".join(f"{k}{v}" for k, v in sorted(config_overrides.items()))
+    out = root / (f"{arch}-s{seed}-" + "-".join(f"{k}{v}" for k, v in sorted(config_overrides.items())))
     shutil.copytree(_CACHE[base_key], out)
     cfg = json.loads((out / "config.json").read_text())
     (cfg.get("text_config") or cfg).update(config_overrides)

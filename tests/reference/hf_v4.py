@@ -43,7 +43,13 @@ How the checkpoint reaches HF (all of it is HF's own machinery; nothing is renam
     * Missing, unexpected or mismatched keys raise ``RuntimeError`` (spec §8.2: none).
 
 Numerics: HF computes attention, indexer scores and compressors in the model dtype
-without FP8 activation/KV simulation; indexer ties resolve per ``torch.topk``.
+without FP8 activation/KV simulation.
+
+Top-k ties (the one behaviour this adapter changes): rows whose index heads all ReLU to zero
+score exactly 0, so exact ties at the top-k boundary are common with random weights. The spec
+leaves tie order implementation-defined (§7 Q18); ``torch.topk`` picks an arbitrary member.
+During HF's forward this adapter makes ``Tensor.topk`` a stable sort (equal scores -> lower
+index first), the order the plugin and the dense V4.1 reference use. Values are unchanged.
 
 API: ``HFV4(ckpt_dir, dtype=torch.float32, index_topk=None)``;
 ``.logits(ids) -> [T, V]`` (one full-sequence forward, float32);
@@ -53,11 +59,27 @@ cache, or ``use_cache=False`` for full recompute per token; argmax ties -> lowes
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
 
 __all__ = ["HFV4"]
+
+
+def _stable_topk(self: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True):
+    order = torch.sort(self, dim=dim, descending=largest, stable=True)
+    return torch.return_types.topk((order.values.narrow(dim, 0, k), order.indices.narrow(dim, 0, k)))
+
+
+@contextlib.contextmanager
+def _stable_ties():
+    original = torch.Tensor.topk
+    torch.Tensor.topk = _stable_topk
+    try:
+        yield
+    finally:
+        torch.Tensor.topk = original
 
 
 class HFV4:
@@ -114,7 +136,8 @@ class HFV4:
     def logits(self, token_ids: list[int]) -> torch.Tensor:
         """Logits [T, V] (float32) of one full-sequence forward without cache."""
         ids = torch.tensor([[int(i) for i in token_ids]], dtype=torch.long)
-        out = self.model(input_ids=ids, use_cache=False)
+        with _stable_ties():
+            out = self.model(input_ids=ids, use_cache=False)
         return out.logits[0].float()
 
     @torch.no_grad()
@@ -140,7 +163,8 @@ class HFV4:
         for _ in range(n):
             T = ids.shape[1]
             position_ids = torch.arange(pos, pos + T).unsqueeze(0)
-            res = self.model(input_ids=ids, position_ids=position_ids, past_key_values=cache, use_cache=True)
+            with _stable_ties():
+                res = self.model(input_ids=ids, position_ids=position_ids, past_key_values=cache, use_cache=True)
             cache = res.past_key_values
             nxt = int(torch.argmax(res.logits[0, -1].float()))
             out.append(nxt)
