@@ -3,22 +3,97 @@
 The model calls every op through this module. Backends: `reference` (torch; CPU and any device;
 the oracle), `kernels_nvidia` and `kernels_ascend`. An op a device backend does not provide falls
 back to the reference implementation, so a backend can grow one kernel at a time.
+
+Dispatch: an op whose first tensor is on a CUDA device runs the `kernels_nvidia` kernel when that
+package is available (CUDA + Triton); anything else, and any shape a kernel declines
+(NotImplementedError), runs the reference. `VLLM_DEEPINFER_KERNELS=reference` forces the reference
+everywhere (read at import).
 """
 
-from vllm_deepinfer.ops.reference import (  # noqa: F401
+from __future__ import annotations
+
+import os
+
+import torch
+
+from vllm_deepinfer.ops import reference
+from vllm_deepinfer.ops.reference import (  # noqa: F401  (reference-only ops)
     apply_rope,
     grouped_output,
-    hc_coefficients,
-    hc_collapse,
-    hc_expand,
     hc_head_weights,
-    indexer_scores,
     rms_norm,
     rope_cos_sin,
     routed_experts,
-    softmax_pool,
-    sparse_attention,
     sqrtsoftplus_route,
     swiglu_clamped,
-    topk_rows,
 )
+
+KERNELS = os.environ.get("VLLM_DEEPINFER_KERNELS", "auto").lower()
+_NV = None  # False once known unavailable, else the kernels_nvidia.ops module
+
+
+def _nvidia(x: torch.Tensor):
+    """kernels_nvidia.ops for CUDA tensors when usable, else None."""
+    global _NV
+    if not x.is_cuda or KERNELS == "reference":
+        return None
+    if _NV is None:
+        try:
+            import kernels_nvidia
+            _NV = kernels_nvidia.load_ops() if kernels_nvidia.available() else False
+        except ImportError:
+            _NV = False
+    return _NV or None
+
+
+def backend_for(x: torch.Tensor) -> str:
+    """Which backend an op on `x` runs on: 'kernels_nvidia' or 'reference'."""
+    return "kernels_nvidia" if _nvidia(x) is not None else "reference"
+
+
+def _dispatch(name: str, x: torch.Tensor, *args, **kwargs):
+    nv = _nvidia(x)
+    if nv is not None:
+        try:
+            return getattr(nv, name)(*args, **kwargs)
+        except NotImplementedError:
+            pass
+    return getattr(reference, name)(*args, **kwargs)
+
+
+def sparse_attention(q, keys, allowed, sink, scale):
+    return _dispatch("sparse_attention", q, q, keys, allowed, sink, scale)
+
+
+def sparse_attention_indexed(q, kv, idx, sink, scale):
+    return _dispatch("sparse_attention_indexed", q, q, kv, idx, sink, scale)
+
+
+def softmax_pool(values, logits):
+    return _dispatch("softmax_pool", values, values, logits)
+
+
+def indexer_scores(q, weights, keys):
+    return _dispatch("indexer_scores", q, q, weights, keys)
+
+
+def topk_rows(scores, k):
+    return _dispatch("topk_rows", scores, scores, k)
+
+
+def hc_coefficients(streams, fn, base, scale, rms_eps, hc_eps, sinkhorn_iters):
+    return _dispatch("hc_coefficients", streams, streams, fn, base, scale, rms_eps, hc_eps, sinkhorn_iters)
+
+
+def hc_collapse(streams, weights):
+    return _dispatch("hc_collapse", streams, streams, weights)
+
+
+def hc_expand(streams, y, post, comb):
+    return _dispatch("hc_expand", streams, streams, y, post, comb)
+
+
+for _f in (sparse_attention, sparse_attention_indexed, softmax_pool, indexer_scores, topk_rows,
+           hc_coefficients, hc_collapse, hc_expand):
+    _f.__doc__ = getattr(reference, _f.__name__).__doc__
+del _f

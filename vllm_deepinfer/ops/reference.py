@@ -177,3 +177,19 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
         y = swiglu_clamped(x[tok], w13[e, :inter], w13[e, inter:], w2[e], limit)
         out.index_add_(0, tok, y.float() * weights[tok, slot].unsqueeze(-1))
     return out.to(x.dtype)
+
+
+def sparse_attention_indexed(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
+                             scale: float) -> torch.Tensor:
+    """Gather form of `sparse_attention`: each query attends to its own rows kv[idx[t, j]].
+
+    q: [T, H, d]; kv: [R, d] (K = V); idx: [T, K] row ids, -1 = none (ids of a row should be distinct:
+    a repeated id counts twice); sink: [H]. Returns [T, H, d].
+    """
+    valid = idx >= 0
+    keys = kv[idx.clamp(min=0).long()].float()                                   # [T, K, d]
+    scores = torch.einsum("thd,tkd->thk", q.float(), keys) * scale
+    scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
+    sink_col = sink.float().view(1, -1, 1).expand(scores.shape[0], -1, 1)
+    probs = torch.softmax(torch.cat((scores, sink_col), dim=-1), dim=-1)[..., :-1]
+    return torch.einsum("thk,tkd->thd", probs, keys).to(q.dtype)

@@ -1,0 +1,169 @@
+"""Microbenchmarks of kernels_nvidia against the H200 ceilings measured in the same run.
+
+    python3 benchmarks/bench_kernels.py [--json OUT.json] [--quick]
+
+Ceilings first: a large device-to-device copy (bytes read + written) and an 8192^3 bf16 GEMM on random
+data. Then each kernel at V4.1-Flash full-width shapes (H=64, d=512, index heads 64 x 128, hc=4,
+D=4096), timed with triton.testing.do_bench (median), next to the torch oracle on the same GPU.
+GB/s counts the fewest bytes the op must move (each input read once, each output written once);
+TFLOP/s counts the useful multiply-adds (masked-out keys excluded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from kernels_nvidia import attention as kattn  # noqa: E402
+from kernels_nvidia import ops as kn  # noqa: E402
+from vllm_deepinfer.ops import reference as ref  # noqa: E402
+
+DEV = "cuda"
+BF = torch.bfloat16
+
+
+def bench(fn, rep=100) -> float:
+    """Median milliseconds."""
+    return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
+
+
+def ceilings() -> tuple[float, float]:
+    n = 1 << 30  # 1 GiB per buffer x 2: well past the 60 MB L2
+    a = torch.empty(n, dtype=torch.uint8, device=DEV).random_()
+    b = torch.empty_like(a)
+    ms = bench(lambda: b.copy_(a))
+    copy_gbs = 2 * n / ms / 1e6
+    del a, b
+    x = torch.randn(8192, 8192, device=DEV, dtype=BF)
+    y = torch.randn(8192, 8192, device=DEV, dtype=BF)
+    ms = bench(lambda: x @ y, rep=200)
+    gemm_tf = 2 * 8192 ** 3 / ms / 1e9
+    return copy_gbs, gemm_tf
+
+
+ROWS = []
+
+
+def record(name, ms_k, ms_r, nbytes, flops, copy_gbs, gemm_tf):
+    gbs = nbytes / ms_k / 1e6
+    tf = flops / ms_k / 1e9
+    row = dict(op=name, us=ms_k * 1e3, ref_us=ms_r * 1e3 if ms_r else None, gbs=gbs, tflops=tf,
+               pct_bw=100 * gbs / copy_gbs, pct_mma=100 * tf / gemm_tf,
+               speedup=(ms_r / ms_k) if ms_r else None)
+    ROWS.append(row)
+    sp = f"{row['speedup']:7.1f}x" if ms_r else "      -"
+    print(f"{name:44s} {row['us']:9.1f} us {gbs:8.0f} GB/s ({row['pct_bw']:5.1f}%) {tf:7.1f} TF/s "
+          f"({row['pct_mma']:5.1f}%)  vs torch {sp}", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, flush=True)
+    copy_gbs, gemm_tf = ceilings()
+    print(f"CEILINGS copy {copy_gbs:.0f} GB/s (read+write), bf16 GEMM 8192^3 {gemm_tf:.0f} TFLOP/s", flush=True)
+    H, d, scale = 64, 512, 512 ** -0.5
+    sink = torch.randn(H, device=DEV)
+
+    # --- sparse attention, decode: every token its own 128 window + 512 selected rows (gather form)
+    pool = torch.randn(65536, d, device=DEV, dtype=BF) * 0.5
+    for t in (1, 16, 64, 256):
+        q = torch.randn(t, H, d, device=DEV, dtype=BF)
+        idx = torch.randint(0, pool.shape[0], (t, 640), device=DEV, dtype=torch.int32)
+        nbytes = t * 640 * d * 2 + 2 * q.numel() * 2 + t * 640 * 4
+        flops = 4 * t * H * 640 * d
+        ms_k = bench(lambda: kn.sparse_attention_indexed(q, pool, idx, sink, scale))
+        ms_r = bench(lambda: ref.sparse_attention_indexed(q, pool, idx, sink, scale)) if t <= 64 else None
+        record(f"attn_decode_indexed T={t} K=640", ms_k, ms_r, nbytes, flops, copy_gbs, gemm_tf)
+    # tile sweep at T=64 (decode) for the record
+    q = torch.randn(64, H, d, device=DEV, dtype=BF)
+    idx = torch.randint(0, pool.shape[0], (64, 640), device=DEV, dtype=torch.int32)
+    for tiles in ((16, 32, 4), (16, 64, 8), (32, 32, 8), (32, 64, 8), (64, 32, 8)):
+        kattn.TILES = tiles
+        try:
+            ms_k = bench(lambda: kn.sparse_attention_indexed(q, pool, idx, sink, scale))
+            record(f"  tiles BH,BN,warps={tiles} T=64", ms_k, None, 64 * 640 * d * 2 + 4 * q.numel(),
+                   4 * 64 * H * 640 * d, copy_gbs, gemm_tf)
+        except Exception as e:  # noqa: BLE001
+            print("  tiles", tiles, "failed:", type(e).__name__, str(e)[:200])
+    kattn.TILES = None
+
+    # --- sparse attention, prefill of one request: T queries, window 128 + 512 selected compressed rows
+    for t in ((1024,) if args.quick else (1024, 4096)):
+        n_cmp = t // 2
+        keys = torch.randn(t + n_cmp, d, device=DEV, dtype=BF) * 0.5
+        q = torch.randn(t, H, d, device=DEV, dtype=BF)
+        pos = torch.arange(t, device=DEV)
+        dist = pos[:, None] - pos[None, :]
+        win = (dist >= 0) & (dist < 128)
+        sel = torch.rand(t, n_cmp, device=DEV) < (512 / n_cmp)
+        sel &= torch.arange(n_cmp, device=DEV)[None, :] < ((pos + 1) // 2)[:, None]
+        allowed = torch.cat((win, sel), dim=1)
+        n_allowed = int(allowed.sum())
+        nbytes = keys.numel() * 2 + 2 * q.numel() * 2 + allowed.numel()
+        flops = 4 * H * n_allowed * d
+        ms_k = bench(lambda: kn.sparse_attention(q, keys, allowed, sink, scale))
+        ms_r = bench(lambda: ref.sparse_attention(q, keys, allowed, sink, scale), rep=20) if t <= 1024 else None
+        record(f"attn_prefill_mask T={t} N={t + n_cmp}", ms_k, ms_r, nbytes, flops, copy_gbs, gemm_tf)
+
+    # --- indexer scores + top-k
+    for t, n in ((1, 8192), (64, 8192), (2048, 4096)):
+        qi = torch.randn(t, 64, 128, device=DEV, dtype=BF)
+        w = torch.randn(t, 64, device=DEV)
+        k = torch.randn(n, 128, device=DEV, dtype=BF)
+        nbytes = qi.numel() * 2 + w.numel() * 4 + k.numel() * 2 + t * n * 4
+        ms_k = bench(lambda: kn.indexer_scores(qi, w, k))
+        ms_r = bench(lambda: ref.indexer_scores(qi, w, k))
+        record(f"indexer_scores T={t} N={n}", ms_k, ms_r, nbytes, 2 * t * 64 * n * 128, copy_gbs, gemm_tf)
+        s = kn.indexer_scores(qi, w, k)
+        ms_k = bench(lambda: kn.topk_rows(s, 512))
+        ms_r = bench(lambda: ref.topk_rows(s, 512))
+        record(f"topk_rows T={t} N={n} k=512", ms_k, ms_r, t * n * 4 + t * 512 * 8, 0, copy_gbs, gemm_tf)
+
+    # --- mHC
+    hc, D = 4, 4096
+    fn = torch.randn(24, hc * D, device=DEV) * 0.02
+    base, sc = torch.randn(24, device=DEV), torch.rand(3, device=DEV)
+    for t in (1, 64, 4096):
+        st = torch.randn(t, hc, D, device=DEV, dtype=BF)
+        nbytes = st.numel() * 2 + fn.numel() * 4 + t * 24 * 4
+        ms_k = bench(lambda: kn.hc_coefficients(st, fn, base, sc, 1e-20, 1e-6, 20))
+        ms_r = bench(lambda: ref.hc_coefficients(st, fn, base, sc, 1e-20, 1e-6, 20))
+        record(f"hc_coefficients T={t}", ms_k, ms_r, nbytes, 2 * t * hc * D * 24, copy_gbs, gemm_tf)
+        w = torch.rand(t, hc, device=DEV)
+        ms_k = bench(lambda: kn.hc_collapse(st, w))
+        ms_r = bench(lambda: ref.hc_collapse(st, w))
+        record(f"hc_collapse T={t}", ms_k, ms_r, st.numel() * 2 + t * D * 2, 2 * t * hc * D, copy_gbs, gemm_tf)
+        y = torch.randn(t, D, device=DEV, dtype=BF)
+        post, comb = torch.rand(t, hc, device=DEV), torch.rand(t, hc, hc, device=DEV)
+        ms_k = bench(lambda: kn.hc_expand(st, y, post, comb))
+        ms_r = bench(lambda: ref.hc_expand(st, y, post, comb))
+        record(f"hc_expand T={t}", ms_k, ms_r, 2 * st.numel() * 2 + y.numel() * 2, 2 * t * hc * hc * D,
+               copy_gbs, gemm_tf)
+
+    # --- compressor pooling (V4.1 ratio 2, V4 CSA 8 slots x 512, V4 HCA 128 slots x 512)
+    for g, s_, c in ((2048, 2, 512), (1024, 8, 512), (64, 128, 512)):
+        v = torch.randn(g, s_, c, device=DEV)
+        lg = torch.randn(g, s_, c, device=DEV)
+        ms_k = bench(lambda: kn.softmax_pool(v, lg))
+        ms_r = bench(lambda: ref.softmax_pool(v, lg))
+        record(f"softmax_pool G={g} S={s_} c={c}", ms_k, ms_r, 2 * v.numel() * 4 + g * c * 4, 0, copy_gbs, gemm_tf)
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(copy_gbs=copy_gbs, gemm_tflops=gemm_tf, device=torch.cuda.get_device_name(),
+                           torch=torch.__version__, triton=triton.__version__, rows=ROWS), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""Sparse attention with a learned sink over one shared latent (K = V): Triton kernels.
+
+Two entry points with the oracle's semantics (model-spec §3.4):
+
+* `sparse_attention(q, keys, allowed, sink, scale)`: queries [T, H, d] over a shared key set [N, d]
+  with a per-query mask [T, N] (the interface the model calls today). Key blocks with no allowed
+  entry for the query are skipped, so the cost follows the allowed count, not N.
+* `sparse_attention_indexed(q, kv, idx, sink, scale)`: queries [T, H, d] over rows `kv[idx[t, j]]`
+  (idx [T, K] int32, -1 = none): the gather form for the cache-level path (window rows plus
+  top-k compressed rows per token, FlashMLA-sparse style), where every token has its own key set.
+
+One program handles one token and a fixed block of BH heads; it walks its keys in fixed BN blocks in
+order, with an online softmax that starts from the sink (a virtual key of logit sink_h and value 0).
+Nothing depends on T: the result of a token is bitwise independent of the batch (batch-invariant).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _attn_block(q, k, valid, m_i, l_i, acc, scale, IEEE: tl.constexpr):
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(valid[None, :], s * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, k.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _sparse_attn_dense_kernel(Q, K, MASK, SINK, O, N, H, scale,
+                              sq_t, sq_h, sk_n, sm_t, so_t, so_h,
+                              D: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
+    t = tl.program_id(0)
+    offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
+    offs_d = tl.arange(0, D)
+    hmask = offs_h < H
+    q = tl.load(Q + t * sq_t + offs_h[:, None] * sq_h + offs_d[None, :], mask=hmask[:, None], other=0.0)
+    m_i = tl.load(SINK + offs_h, mask=hmask, other=0.0).to(tl.float32)
+    l_i = tl.full([BH], 1.0, tl.float32)
+    acc = tl.zeros([BH, D], tl.float32)
+    for n0 in range(0, N, BN):
+        offs_n = n0 + tl.arange(0, BN)
+        valid = tl.load(MASK + t * sm_t + offs_n, mask=offs_n < N, other=0) != 0
+        if tl.max(valid.to(tl.int32), 0) > 0:
+            k = tl.load(K + offs_n[:, None] * sk_n + offs_d[None, :], mask=valid[:, None], other=0.0)
+            m_i, l_i, acc = _attn_block(q, k, valid, m_i, l_i, acc, scale, IEEE)
+    o = acc / l_i[:, None]
+    tl.store(O + t * so_t + offs_h[:, None] * so_h + offs_d[None, :], o.to(O.dtype.element_ty), mask=hmask[:, None])
+
+
+@triton.jit
+def _sparse_attn_indexed_kernel(Q, KV, IDX, SINK, O, KSEL, H, scale,
+                                sq_t, sq_h, skv_n, si_t, so_t, so_h,
+                                D: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
+    t = tl.program_id(0)
+    offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
+    offs_d = tl.arange(0, D)
+    hmask = offs_h < H
+    q = tl.load(Q + t * sq_t + offs_h[:, None] * sq_h + offs_d[None, :], mask=hmask[:, None], other=0.0)
+    m_i = tl.load(SINK + offs_h, mask=hmask, other=0.0).to(tl.float32)
+    l_i = tl.full([BH], 1.0, tl.float32)
+    acc = tl.zeros([BH, D], tl.float32)
+    for n0 in range(0, KSEL, BN):
+        offs_n = n0 + tl.arange(0, BN)
+        idx = tl.load(IDX + t * si_t + offs_n, mask=offs_n < KSEL, other=-1)
+        valid = idx >= 0
+        if tl.max(valid.to(tl.int32), 0) > 0:
+            rows = tl.where(valid, idx, 0).to(tl.int64)
+            k = tl.load(KV + rows[:, None] * skv_n + offs_d[None, :], mask=valid[:, None], other=0.0)
+            m_i, l_i, acc = _attn_block(q, k, valid, m_i, l_i, acc, scale, IEEE)
+    o = acc / l_i[:, None]
+    tl.store(O + t * so_t + offs_h[:, None] * so_h + offs_d[None, :], o.to(O.dtype.element_ty), mask=hmask[:, None])
+
+
+TILES: tuple[int, int, int] | None = None  # (BH, BN, num_warps) override, for tuning runs only
+
+
+def _tiles(h: int, d: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """Fixed (BH, BN, num_warps) for a head count / head dim: never depends on the token count."""
+    if TILES is not None:
+        return TILES
+    bh = max(16, min(32, triton.next_power_of_2(h)))
+    if dtype == torch.float32:
+        return bh, 16, 8
+    return bh, 32, 8
+
+
+def _check(q: torch.Tensor, d: int) -> None:
+    if d & (d - 1) or d < 16:
+        raise NotImplementedError(f"head dim {d} must be a power of two >= 16")
+    if q.stride(-1) != 1:
+        raise NotImplementedError("q must be contiguous in its last dim")
+
+
+def sparse_attention(q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor, sink: torch.Tensor,
+                     scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [T, H, d]; keys: [N, d]; allowed: [T, N] bool; sink: [H] -> [T, H, d] (q.dtype)."""
+    t, h, d = q.shape
+    _check(q, d)
+    keys = keys.to(q.dtype).contiguous()
+    allowed = allowed.contiguous().view(torch.uint8)
+    sink = sink.float().contiguous()
+    out = torch.empty_like(q) if out is None else out
+    if t == 0:
+        return out
+    bh, bn, warps = _tiles(h, d, q.dtype)
+    _sparse_attn_dense_kernel[(t, triton.cdiv(h, bh))](
+        q, keys, allowed, sink, out, keys.shape[0], h, float(scale),
+        q.stride(0), q.stride(1), keys.stride(0), allowed.stride(0), out.stride(0), out.stride(1),
+        D=d, BH=bh, BN=bn, IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=2)
+    return out
+
+
+def sparse_attention_indexed(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
+                             scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [T, H, d]; kv: [R, d] (K = V rows); idx: [T, K] row ids (-1 = none); sink: [H] -> [T, H, d]."""
+    t, h, d = q.shape
+    _check(q, d)
+    kv = kv.to(q.dtype)
+    if kv.stride(-1) != 1:
+        kv = kv.contiguous()
+    idx = idx.to(torch.int32).contiguous()
+    sink = sink.float().contiguous()
+    out = torch.empty_like(q) if out is None else out
+    if t == 0:
+        return out
+    bh, bn, warps = _tiles(h, d, q.dtype)
+    _sparse_attn_indexed_kernel[(t, triton.cdiv(h, bh))](
+        q, kv, idx, sink, out, idx.shape[1], h, float(scale),
+        q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), out.stride(0), out.stride(1),
+        D=d, BH=bh, BN=bn, IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=2)
+    return out

@@ -1,0 +1,83 @@
+"""Lightning-indexer scores and deterministic top-k (model-spec §3.6): Triton + one torch.topk.
+
+* `indexer_scores(q, weights, keys)`: I[t, i] = sum_h w[t, h] * relu(q[t, h] . k[i]) as one kernel:
+  a program owns a fixed [BT tokens x BN keys] tile, loads its keys once and loops over the heads in
+  order (fixed reduction order: batch-invariant; the tile never depends on T).
+* `topk_rows(scores, k)`: the oracle's stable descending order (ties -> lower index, -inf -> -1) via
+  unique packed keys: the fp32 score is mapped to an order-preserving int32 and packed above the
+  complemented column index into an int64, so `torch.topk` over distinct keys has exactly one answer
+  (deterministic, any batch).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _indexer_scores_kernel(Q, W, K, OUT, T, N, HI, sq_t, sq_h, sw_t, sk_n, so_t,
+                           D: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
+    offs_t = tl.program_id(0) * BT + tl.arange(0, BT)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    offs_d = tl.arange(0, D)
+    tmask, nmask = offs_t < T, offs_n < N
+    k = tl.load(K + offs_n[:, None] * sk_n + offs_d[None, :], mask=nmask[:, None], other=0.0)
+    acc = tl.zeros([BT, BN], tl.float32)
+    for h in range(HI):
+        q = tl.load(Q + offs_t[:, None] * sq_t + h * sq_h + offs_d[None, :], mask=tmask[:, None], other=0.0)
+        w = tl.load(W + offs_t * sw_t + h, mask=tmask, other=0.0).to(tl.float32)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        acc += tl.maximum(s, 0.0) * w[:, None]
+    tl.store(OUT + offs_t[:, None] * so_t + offs_n[None, :], acc, mask=tmask[:, None] & nmask[None, :])
+
+
+def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [T, H_I, d_I]; weights: [T, H_I]; keys: [N, d_I] -> [T, N] fp32."""
+    t, hi, d = q.shape
+    n = keys.shape[0]
+    if d & (d - 1) or d < 16:
+        raise NotImplementedError(f"index head dim {d} must be a power of two >= 16")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    keys = keys.to(q.dtype).contiguous()
+    weights = weights.float().contiguous()
+    out = torch.empty(t, n, dtype=torch.float32, device=q.device) if out is None else out
+    if t == 0 or n == 0:
+        return out
+    ieee = q.dtype == torch.float32
+    bt, bn = 16, (32 if ieee else 64)
+    _indexer_scores_kernel[(triton.cdiv(t, bt), triton.cdiv(n, bn))](
+        q, weights, keys, out, t, n, hi, q.stride(0), q.stride(1), weights.stride(0), keys.stride(0),
+        out.stride(0), D=d, BT=bt, BN=bn, IEEE=ieee, num_warps=4, num_stages=2)
+    return out
+
+
+def _ordered_int(scores: torch.Tensor) -> torch.Tensor:
+    """fp32 -> int64 holding an int32 whose signed order equals the float order (-0.0 folded into +0.0)."""
+    bits = (scores.float() + 0.0).view(torch.int32)
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+
+
+_NEG_INF_KEY = -2139095041  # _ordered_int(-inf): int32 bits of -inf (0xFF800000) ^ 0x7FFFFFFF
+
+
+def topk_rows(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest finite scores per row, -1 where fewer exist (oracle semantics)."""
+    t, n_cols = scores.shape
+    n = min(k, n_cols)
+    if n == 0 or t == 0:
+        return torch.full((t, k), -1, dtype=torch.int64, device=scores.device)
+    col = torch.arange(n_cols, device=scores.device, dtype=torch.int64)
+    packed = (_ordered_int(scores) << 32) | (n_cols - 1 - col)
+    top = torch.topk(packed, n, dim=-1, largest=True, sorted=True).values
+    idx = (n_cols - 1) - (top & 0xFFFFFFFF)
+    idx = torch.where((top >> 32) > _NEG_INF_KEY, idx, torch.full_like(idx, -1))
+    if n < k:
+        idx = F.pad(idx, (0, k - n), value=-1)
+    return idx

@@ -1,0 +1,227 @@
+"""kernels_nvidia against the torch oracle (vllm_deepinfer.ops.reference).
+
+Every check draws fresh random inputs (the seed is printed), poisons the output memory with NaN
+before the kernel runs (an `out=` buffer or the caching allocator's freed block), and bounds the
+relative error ||out - ref|| / ||ref|| with the oracle evaluated on the same inputs in fp32 (on the
+CPU for fp32 inputs). Bounds: fp32 inputs 2e-5 (fp32 IEEE dot products; only the summation order
+differs); bf16 inputs 1.5e-2 (bf16 operands of the tensor-core dot products and a bf16 output).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from vllm_deepinfer.ops import reference as ref  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+BOUND = {torch.float32: 2e-5, torch.bfloat16: 1.5e-2}
+
+
+def _seed() -> int:
+    s = int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(s)
+    print("seed", s)
+    return s
+
+
+def _poison(device: str, nbytes: int = 256 << 20) -> None:
+    """Fill a large freed block with NaN so that the next torch.empty calls reuse poisoned memory."""
+    if device == "cuda":
+        junk = torch.full((nbytes // 4,), float("nan"), device=device)
+        del junk
+
+
+def _rel(out: torch.Tensor, want: torch.Tensor) -> float:
+    out, want = out.double().cpu(), want.double().cpu()
+    assert torch.isfinite(out).all(), "non-finite (unwritten or NaN) output"
+    return float((out - want).norm() / want.norm().clamp_min(1e-30))
+
+
+def _small(device):
+    return device == "cpu"  # Triton interpreter: keep shapes small
+
+
+def _skip_interp_bf16_dot(device, dtype):
+    if device == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("Triton's interpreter computes bf16 tl.dot wrongly (seen with triton 3.9)")
+
+
+def _attn_inputs(device, dtype, t, h, n, d=512, density=0.3):
+    q = torch.randn(t, h, d, device=device).to(dtype)
+    keys = (torch.randn(n, d, device=device) * 0.5).to(dtype)
+    allowed = torch.rand(t, n, device=device) < density
+    allowed[:, 0] = True
+    if t > 2:
+        allowed[t // 2] = False  # a query that sees nothing: output must be 0 (all mass on the sink)
+    sink = torch.randn(h, device=device)
+    return q, keys, allowed, sink
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", ["decode", "prefill"])
+def test_sparse_attention_dense_mask(device, dtype, shape):
+    from kernels_nvidia import ops as kn
+    _skip_interp_bf16_dot(device, dtype)
+    _seed()
+    if shape == "decode":
+        t, n = 1, (160 if _small(device) else 640)
+    else:
+        t, n = (8, 96) if _small(device) else (256, 1200)
+    h = 16 if _small(device) else 64
+    q, keys, allowed, sink = _attn_inputs(device, dtype, t, h, n)
+    scale = 512 ** -0.5
+    out = torch.full_like(q, float("nan"))
+    kn.sparse_attention(q, keys, allowed, sink, scale, out=out)
+    want = ref.sparse_attention(q.cpu(), keys.cpu(), allowed.cpu(), sink.cpu(), scale)
+    err = _rel(out, want)
+    print(f"sparse_attention {shape} {dtype}: rel err {err:.2e}")
+    assert err < BOUND[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sparse_attention_indexed(device, dtype):
+    from kernels_nvidia import ops as kn
+    _skip_interp_bf16_dot(device, dtype)
+    _seed()
+    small = _small(device)
+    t, h, rows, k = (4, 16, 200, 48) if small else (64, 64, 8192, 640)
+    q = torch.randn(t, h, 512, device=device).to(dtype)
+    kv = (torch.randn(rows, 512, device=device) * 0.5).to(dtype)
+    idx = torch.stack([torch.randperm(rows, device=device)[:k] for _ in range(t)]).int()
+    idx[torch.rand(t, k, device=device) < 0.2] = -1
+    idx[0] = -1
+    sink = torch.randn(h, device=device)
+    out = torch.full_like(q, float("nan"))
+    kn.sparse_attention_indexed(q, kv, idx, sink, 0.044, out=out)
+    # oracle: the dense form over all rows with the selected ones allowed
+    allowed = torch.zeros(t, rows + 1, dtype=torch.bool)
+    allowed.scatter_(1, torch.where(idx.cpu() >= 0, idx.cpu().long(), rows), True)
+    want = ref.sparse_attention(q.cpu(), kv.cpu(), allowed[:, :rows], sink.cpu(), 0.044)
+    err = _rel(out, want)
+    print(f"sparse_attention_indexed {dtype}: rel err {err:.2e}")
+    assert err < BOUND[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_indexer_scores(device, dtype):
+    from kernels_nvidia import ops as kn
+    _skip_interp_bf16_dot(device, dtype)
+    _seed()
+    t, hi, n = (5, 8, 70) if _small(device) else (300, 64, 3000)
+    q = torch.randn(t, hi, 128, device=device).to(dtype)
+    w = torch.randn(t, hi, device=device) * 0.1
+    keys = torch.randn(n, 128, device=device).to(dtype)
+    out = torch.full((t, n), float("nan"), device=device)
+    kn.indexer_scores(q, w, keys, out=out)
+    want = ref.indexer_scores(q.cpu(), w.cpu(), keys.cpu())
+    err = _rel(out, want)
+    print(f"indexer_scores {dtype}: rel err {err:.2e}")
+    assert err < BOUND[dtype]
+
+
+def test_topk_rows_matches_stable_sort(device):
+    from kernels_nvidia import ops as kn
+    _seed()
+    t, n = (6, 50) if _small(device) else (200, 5000)
+    s = torch.randn(t, n, device=device)
+    s = torch.round(s * 4) / 4                      # many ties
+    s[s.abs() < 0.1] = -0.0                         # signed zeros tie with +0.0
+    s[torch.rand(t, n, device=device) < 0.3] = float("-inf")
+    s[0, 3] = float("inf")
+    s[1, 10:] = float("-inf")                       # fewer than k finite entries
+    for k in (7, n // 2, n + 5):
+        _poison(device)
+        got = kn.topk_rows(s, k)
+        want = ref.topk_rows(s.cpu(), k)
+        assert torch.equal(got.cpu(), want), f"k={k}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hc_coefficients(device, dtype):
+    from kernels_nvidia import ops as kn
+    _seed()
+    h, d = 4, (256 if _small(device) else 4096)
+    t = 7 if _small(device) else 333
+    m = (2 + h) * h
+    streams = torch.randn(t, h, d, device=device).to(dtype)
+    fn = torch.randn(m, h * d, device=device) * 0.02
+    base = torch.randn(m, device=device) * 0.1
+    scale = torch.rand(3, device=device) + 0.5
+    _poison(device)
+    got = kn.hc_coefficients(streams, fn, base, scale, 1e-6, 1e-6, 20)
+    want = ref.hc_coefficients(streams.cpu(), fn.cpu(), base.cpu(), scale.cpu(), 1e-6, 1e-6, 20)
+    for name, g, w in zip(("pre", "post", "comb"), got, want):
+        err = _rel(g, w)
+        print(f"hc_coefficients {name} {dtype}: rel err {err:.2e}")
+        assert err < 1e-4  # fp32 math on both sides; split-K changes the summation order only
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hc_collapse_expand(device, dtype):
+    from kernels_nvidia import ops as kn
+    _seed()
+    h, d = 4, (256 if _small(device) else 4096)
+    t = 5 if _small(device) else 257
+    streams = torch.randn(t, h, d, device=device).to(dtype)
+    w = torch.rand(t, h, device=device)
+    y = torch.randn(t, d, device=device).to(dtype)
+    post = torch.rand(t, h, device=device) * 2
+    comb = torch.rand(t, h, h, device=device)
+    _poison(device)
+    u = kn.hc_collapse(streams, w)
+    err = _rel(u, ref.hc_collapse(streams.cpu(), w.cpu()))
+    print(f"hc_collapse {dtype}: rel err {err:.2e}")
+    assert err < BOUND[dtype] / 2
+    _poison(device)
+    x = kn.hc_expand(streams, y, post, comb)
+    err = _rel(x, ref.hc_expand(streams.cpu(), y.cpu(), post.cpu(), comb.cpu()))
+    print(f"hc_expand {dtype}: rel err {err:.2e}")
+    assert err < BOUND[dtype] / 2
+
+
+@pytest.mark.parametrize("slots,width", [(2, 512), (8, 1024), (128, 512)])
+def test_softmax_pool(device, slots, width):
+    from kernels_nvidia import ops as kn
+    _seed()
+    g = 3 if _small(device) else 517
+    if _small(device):
+        width = 64
+    v = torch.randn(g, slots, width, device=device)
+    lg = torch.randn(g, slots, width, device=device) * 3
+    if slots == 8:
+        lg[0, :4] = float("-inf")  # CSA group 0: no previous block
+    _poison(device)
+    got = kn.softmax_pool(v, lg)
+    err = _rel(got, ref.softmax_pool(v.cpu(), lg.cpu()))
+    print(f"softmax_pool S={slots}: rel err {err:.2e}")
+    assert err < 2e-6
+
+
+def test_batch_invariance(device):
+    """A token's result does not depend on the other tokens of the batch (bitwise)."""
+    from kernels_nvidia import ops as kn
+    _skip_interp_bf16_dot(device, torch.bfloat16)
+    _seed()
+    small = _small(device)
+    h, n = (16, 96) if small else (64, 700)
+    q, keys, allowed, sink = _attn_inputs(device, torch.bfloat16, 9 if small else 100, h, n)
+    full = kn.sparse_attention(q, keys, allowed, sink, 0.05)
+    one = kn.sparse_attention(q[3:4].clone(), keys, allowed[3:4].clone(), sink, 0.05)
+    assert torch.equal(full[3:4], one)
+    qi = torch.randn(q.shape[0], 8 if small else 64, 128, device=device).to(torch.bfloat16)
+    wi = torch.randn(q.shape[0], qi.shape[1], device=device)
+    si = kn.indexer_scores(qi, wi, keys[:, :128].contiguous())
+    s1 = kn.indexer_scores(qi[5:6].clone(), wi[5:6].clone(), keys[:, :128].contiguous())
+    assert torch.equal(si[5:6], s1)
+    st = torch.randn(q.shape[0], 4, 256 if small else 4096, device=device).to(torch.bfloat16)
+    fn = torch.randn(24, st.shape[1] * st.shape[2], device=device) * 0.02
+    b, sc = torch.randn(24, device=device), torch.rand(3, device=device)
+    pa = kn.hc_coefficients(st, fn, b, sc, 1e-6, 1e-6, 20)
+    p1 = kn.hc_coefficients(st[2:3].clone(), fn, b, sc, 1e-6, 1e-6, 20)
+    for a, c in zip(pa, p1):
+        assert torch.equal(a[2:3], c)
