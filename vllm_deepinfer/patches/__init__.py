@@ -6,6 +6,8 @@ vLLM version it was written for and fails loudly on any other.
 
 from __future__ import annotations
 
+import importlib
+
 import vllm
 
 SUPPORTED_VLLM = "0.32.0"
@@ -21,3 +23,5 @@ def apply_all() -> None:
 
     check_vllm_version()
     cpu_platform.apply()
+    importlib.import_module("vllm_deepinfer.patches.cpu_dist_version").apply()
+    importlib.import_module("vllm_deepinfer.patches.so_args_request").apply()

@@ -1,0 +1,158 @@
+"""DeepInfer's `DEEPINFER_*` environment settings under vLLM: honoured, mapped, or rejected.
+
+Checked by `vllm_deepinfer.serving.register()` (the general plugin) in every vLLM process, so a
+setting the plugin cannot honour stops `vllm serve` / `LLM()` at start-up with the reason, instead of
+being silently ignored. A setting given its "off" value (`0`, `false`, `no`, `off`, `none`, empty) is
+always accepted: it asks for what the plugin does anyway.
+
+| setting | here |
+|---|---|
+| `DEEPINFER_HF_MODEL_DIR` | mapped: the model path. `vllm serve` with no model argument serves it; `default_model()` gives it to offline code; must be a directory with `config.json`. An explicit model argument wins (warning when they differ). |
+| `DEEPINFER_ACCELERATOR` | honoured as a check: `cuda`/`nvidia`/`gpu`, `ascend`/`npu`, `cpu` must match vLLM's platform, else start-up fails naming both. vLLM picks the platform itself. |
+| `DEEPINFER_BATCH_INVARIANT` | rejected when on: the batch-invariant, per-request-seeded sampler is not in the plugin yet. vLLM's `VLLM_BATCH_INVARIANT=1` is not an equivalent (different kernels/sampler, no DeepInfer bitwise guarantee), so it is not silently substituted. |
+| `DEEPINFER_ENABLE_MTP_VARLEN` | rejected when on: DSpark/MTP variable-length drafting is not in the plugin yet (vLLM equivalent will be `--speculative-config`). |
+| `DEEPINFER_USE_NEXTN_DECODE` | rejected when on: NextN (MTP) decode is speculative decoding, not in the plugin yet (`--speculative-config`). |
+| `DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE` | rejected unless off: V4.1 decoder-side SWA bounded replay (YOCO prefill truncation) is not in the plugin yet; the plugin prefills the full prompt, which is exact. |
+| `DEEPINFER_YOCO_PREFILL_KEEP_TOKENS` | rejected unless off, same reason. |
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+OFF_VALUES = {"", "0", "false", "no", "off", "none", "disabled"}
+
+ACCELERATORS = {
+    "cuda": "cuda", "nvidia": "cuda", "gpu": "cuda",
+    "ascend": "npu", "npu": "npu",
+    "cpu": "cpu",
+}
+
+
+class DeepInferSettingError(RuntimeError):
+    """A DEEPINFER_* setting the plugin cannot honour."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    action: str  # "mapped" | "check" | "reject"
+    vllm_equivalent: str
+    reason: str
+
+
+SETTINGS: dict[str, Setting] = {
+    s.name: s
+    for s in [
+        Setting("DEEPINFER_HF_MODEL_DIR", "mapped", "the model argument (`vllm serve DIR`, `LLM(model=DIR)`)",
+                "the HF-format checkpoint directory to serve"),
+        Setting("DEEPINFER_ACCELERATOR", "check", "vLLM platform detection (current_platform)",
+                "vLLM chooses the device itself; the setting is verified against it"),
+        Setting("DEEPINFER_BATCH_INVARIANT", "reject", "none yet (VLLM_BATCH_INVARIANT is not equivalent)",
+                "the batch-invariant, per-request-seeded sampler is not implemented in vllm-deepinfer yet"),
+        Setting("DEEPINFER_ENABLE_MTP_VARLEN", "reject", "--speculative-config (future)",
+                "DSpark/MTP variable-length speculative decoding is not implemented in vllm-deepinfer yet"),
+        Setting("DEEPINFER_USE_NEXTN_DECODE", "reject", "--speculative-config (future)",
+                "NextN/MTP speculative decoding is not implemented in vllm-deepinfer yet"),
+        Setting("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "reject", "none (bounded replay not implemented)",
+                "V4.1 decoder-side SWA bounded replay (YOCO prefill truncation) is not implemented in "
+                "vllm-deepinfer yet; the full prompt is prefilled, which is exact"),
+        Setting("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", "reject", "none (bounded replay not implemented)",
+                "V4.1 decoder-side SWA bounded replay (YOCO prefill truncation) is not implemented in "
+                "vllm-deepinfer yet; the full prompt is prefilled, which is exact"),
+    ]
+}
+
+
+def _is_off(value: str) -> bool:
+    return value.strip().lower() in OFF_VALUES
+
+
+def check(environ: dict[str, str] | None = None, platform_device: str | None = None) -> list[str]:
+    """Validate the DEEPINFER_* settings in `environ`; raise `DeepInferSettingError` on any that
+    cannot be honoured. Returns human-readable notes on what was applied."""
+    env = os.environ if environ is None else environ
+    notes: list[str] = []
+    errors: list[str] = []
+    for name, s in SETTINGS.items():
+        if name not in env:
+            continue
+        value = env[name]
+        if s.action == "reject":
+            if _is_off(value):
+                notes.append(f"{name}={value!r}: off, nothing to do")
+            else:
+                errors.append(f"{name}={value!r} is not supported: {s.reason}. Unset it (or set it to 0).")
+        elif name == "DEEPINFER_HF_MODEL_DIR":
+            if _is_off(value):
+                continue
+            if not os.path.isfile(os.path.join(value, "config.json")):
+                errors.append(f"DEEPINFER_HF_MODEL_DIR={value!r} is not a checkpoint directory (no config.json)")
+            else:
+                notes.append(f"{name}: model path {value}")
+        elif name == "DEEPINFER_ACCELERATOR":
+            if _is_off(value) or value.strip().lower() == "auto":
+                continue
+            want = ACCELERATORS.get(value.strip().lower())
+            if want is None:
+                errors.append(f"DEEPINFER_ACCELERATOR={value!r} is unknown; accepted: {sorted(ACCELERATORS)} or auto")
+                continue
+            have = platform_device if platform_device is not None else _platform_device()
+            if have is not None and have != want:
+                errors.append(
+                    f"DEEPINFER_ACCELERATOR={value!r} asks for {want} but vLLM runs on {have!r}; "
+                    f"install the matching vLLM build/platform plugin or unset DEEPINFER_ACCELERATOR"
+                )
+            else:
+                notes.append(f"{name}: {want} (matches vLLM's platform)")
+    if errors:
+        raise DeepInferSettingError("vllm-deepinfer: " + "; ".join(errors))
+    return notes
+
+
+def _platform_device() -> str | None:
+    try:
+        from vllm.platforms import current_platform
+
+        dev = getattr(current_platform, "device_type", None) or ""
+    except Exception:  # platform not resolvable in this process: nothing to check against
+        return None
+    return {"cuda": "cuda", "rocm": "cuda", "npu": "npu", "cpu": "cpu"}.get(dev, dev or None)
+
+
+def default_model(explicit: str | None = None) -> str | None:
+    """The model path: `explicit` if given, else `DEEPINFER_HF_MODEL_DIR`."""
+    env = os.environ.get("DEEPINFER_HF_MODEL_DIR")
+    if explicit:
+        if env and not _is_off(env) and os.path.abspath(env) != os.path.abspath(explicit):
+            logger.warning("DEEPINFER_HF_MODEL_DIR=%s ignored: the model %s was given explicitly", env, explicit)
+        return explicit
+    return env if env and not _is_off(env) else None
+
+
+def _map_model_into_serve_argv(argv: list[str]) -> None:
+    """`vllm serve` without a model argument: serve DEEPINFER_HF_MODEL_DIR."""
+    env = os.environ.get("DEEPINFER_HF_MODEL_DIR")
+    if not env or _is_off(env) or len(argv) < 2 or argv[1] != "serve":
+        return
+    has_positional = len(argv) > 2 and not argv[2].startswith("-")
+    has_flag = any(a == "--model" or a.startswith("--model=") for a in argv[2:])
+    if has_positional or has_flag:
+        given = argv[2] if has_positional else None
+        if given:
+            default_model(given)
+        return
+    argv.insert(2, env)
+    logger.info("vllm-deepinfer: serving DEEPINFER_HF_MODEL_DIR=%s", env)
+
+
+def apply() -> None:
+    """Called from the general plugin in every process."""
+    for note in check():
+        logger.info("vllm-deepinfer setting %s", note)
+    _map_model_into_serve_argv(sys.argv)
