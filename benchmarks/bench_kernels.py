@@ -29,8 +29,16 @@ DEV = "cuda"
 BF = torch.bfloat16
 
 
+GRAPH = True
+
+
 def bench(fn, rep=100) -> float:
-    """Median milliseconds."""
+    """Median milliseconds of the GPU work: CUDA-graph replays (launch overhead excluded, as in serving
+    with CUDA graphs on); --eager times plain launches (Python wrapper + launch latency included)."""
+    if GRAPH:
+        fn()
+        torch.cuda.synchronize()
+        return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
     return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
 
 
@@ -67,10 +75,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--eager", action="store_true")
     args = ap.parse_args()
+    global GRAPH
+    GRAPH = not args.eager
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, flush=True)
     copy_gbs, gemm_tf = ceilings()
+    print("timing:", "CUDA-graph replays (GPU time)" if GRAPH else "eager launches", flush=True)
     print(f"CEILINGS copy {copy_gbs:.0f} GB/s (read+write), bf16 GEMM 8192^3 {gemm_tf:.0f} TFLOP/s", flush=True)
     H, d, scale = 64, 512, 512 ** -0.5
     sink = torch.randn(H, device=DEV)
@@ -88,15 +100,19 @@ def main():
     # tile sweep at T=64 (decode) for the record
     q = torch.randn(64, H, d, device=DEV, dtype=BF)
     idx = torch.randint(0, pool.shape[0], (64, 640), device=DEV, dtype=torch.int32)
-    for tiles in ((16, 32, 4), (16, 64, 8), (32, 32, 8), (32, 64, 8), (64, 32, 8)):
-        kattn.TILES = tiles
-        try:
-            ms_k = bench(lambda: kn.sparse_attention_indexed(q, pool, idx, sink, scale))
-            record(f"  tiles BH,BN,warps={tiles} T=64", ms_k, None, 64 * 640 * d * 2 + 4 * q.numel(),
-                   4 * 64 * H * 640 * d, copy_gbs, gemm_tf)
-        except Exception as e:  # noqa: BLE001
-            print("  tiles", tiles, "failed:", type(e).__name__, str(e)[:200])
-    kattn.TILES = None
+    for tt in (1, 64, 256):
+        q = torch.randn(tt, H, d, device=DEV, dtype=BF)
+        idx = torch.randint(0, pool.shape[0], (tt, 640), device=DEV, dtype=torch.int32)
+        for split in (False, True):
+            for tiles in ((16, 64, 4), (32, 32, 8), (32, 64, 8), (64, 32, 8), (64, 64, 8)):
+                kattn.TILES, kattn.SPLIT = tiles, split
+                try:
+                    ms_k = bench(lambda: kn.sparse_attention_indexed(q, pool, idx, sink, scale))
+                    record(f"  T={tt} split={int(split)} BH,BN,warps={tiles}", ms_k, None,
+                           tt * 640 * d * 2 + 4 * q.numel(), 4 * tt * H * 640 * d, copy_gbs, gemm_tf)
+                except Exception as e:  # noqa: BLE001
+                    print("  tiles", tiles, "failed:", type(e).__name__, str(e)[:200])
+    kattn.TILES = kattn.SPLIT = None
 
     # --- sparse attention, prefill of one request: T queries, window 128 + 512 selected compressed rows
     for t in ((1024,) if args.quick else (1024, 4096)):
@@ -126,9 +142,9 @@ def main():
         ms_r = bench(lambda: ref.indexer_scores(qi, w, k))
         record(f"indexer_scores T={t} N={n}", ms_k, ms_r, nbytes, 2 * t * 64 * n * 128, copy_gbs, gemm_tf)
         s = kn.indexer_scores(qi, w, k)
-        ms_k = bench(lambda: kn.topk_rows(s, 512))
+        ms_k = bench(lambda: kn.topk_rows_packed(s, 512))
         ms_r = bench(lambda: ref.topk_rows(s, 512))
-        record(f"topk_rows T={t} N={n} k=512", ms_k, ms_r, t * n * 4 + t * 512 * 8, 0, copy_gbs, gemm_tf)
+        record(f"topk_rows_packed T={t} N={n} k=512", ms_k, ms_r, t * n * 4 + t * 512 * 8, 0, copy_gbs, gemm_tf)
 
     # --- mHC
     hc, D = 4, 4096

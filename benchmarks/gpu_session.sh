@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/gpu_session.sh kernels          # host torch/triton: kernel tests + microbenchmarks
 #   bash benchmarks/gpu_session.sh stage DIR        # one vLLM 0.32 chunk (../shared/gpu/receive.sh), see NOTES-gpu.md
-#   bash benchmarks/gpu_session.sh e2e              # after READY: fidelity (plugin vs in-tree) + benchmark
+#   (not yet: e2e fidelity plugin vs in-tree V4.1 and the serving benchmark; see NOTES-gpu.md)
 #
 # Logs and JSON go to $OUT (the device tool brings them back); the last lines printed are a summary.
 set -u -o pipefail
@@ -25,11 +25,13 @@ kernels() {
   t0=$SECONDS
   PYTHONPATH=$REPO python3 benchmarks/bench_kernels.py --json "$OUT/bench_kernels.json" 2>&1 | tee "$OUT/bench_kernels.log"
   echo "kernel bench: rc=${PIPESTATUS[0]} in $((SECONDS - t0)) s"
+  if [ "${EAGER:-0}" = 1 ]; then
+    PYTHONPATH=$REPO python3 benchmarks/bench_kernels.py --eager --quick 2>&1 | grep -v "^  T=" > "$OUT/bench_kernels_eager.log"
+  fi
 }
 
 case "$mode" in
   kernels) kernels ;;
   stage) bash "$REPO/shared/gpu/receive.sh" "$2" ;;
-  e2e) source "$REPO/shared/gpu/env.sh" && PYTHONPATH=$REPO:${PYTHONPATH:-} python3 "$REPO/benchmarks/e2e_gpu.py" --out "$OUT" ;;
-  *) echo "usage: $0 kernels|stage DIR|e2e" >&2; exit 2 ;;
+  *) echo "usage: $0 kernels|stage DIR" >&2; exit 2 ;;
 esac

@@ -16,6 +16,8 @@ Nothing depends on T: the result of a token is bitwise independent of the batch 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -62,30 +64,82 @@ def _sparse_attn_dense_kernel(Q, K, MASK, SINK, O, N, H, scale,
 
 
 @triton.jit
-def _sparse_attn_indexed_kernel(Q, KV, IDX, SINK, O, KSEL, H, scale,
-                                sq_t, sq_h, skv_n, si_t, so_t, so_h,
-                                D: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
+def _sparse_attn_indexed_kernel(Q, KV, IDX, SINK, O, PO, PML, KSEL, H, scale,
+                                sq_t, sq_h, skv_n, si_t, so_t, so_h, NSPLIT,
+                                D: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
+                                PARTIAL: tl.constexpr, IEEE: tl.constexpr):
+    """One token x BH heads x one range of SPLIT keys (PARTIAL: unnormalised partials, no sink)."""
+    t = tl.program_id(0)
+    offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
+    sp = tl.program_id(2)
+    offs_d = tl.arange(0, D)
+    hmask = offs_h < H
+    q = tl.load(Q + t * sq_t + offs_h[:, None] * sq_h + offs_d[None, :], mask=hmask[:, None], other=0.0)
+    if PARTIAL:
+        m_i = tl.full([BH], -1.0e30, tl.float32)   # finite sentinel: an all-masked block stays NaN-free
+        l_i = tl.zeros([BH], tl.float32)
+    else:
+        m_i = tl.load(SINK + offs_h, mask=hmask, other=0.0).to(tl.float32)
+        l_i = tl.full([BH], 1.0, tl.float32)
+    acc = tl.zeros([BH, D], tl.float32)
+    for n0 in range(0, SPLIT, BN):
+        offs_n = sp * SPLIT + n0 + tl.arange(0, BN)
+        idx = tl.load(IDX + t * si_t + offs_n, mask=offs_n < KSEL, other=-1)
+        valid = idx >= 0
+        rows = tl.where(valid, idx, 0).to(tl.int64)
+        k = tl.load(KV + rows[:, None] * skv_n + offs_d[None, :], mask=valid[:, None], other=0.0)
+        m_i, l_i, acc = _attn_block(q, k, valid, m_i, l_i, acc, scale, IEEE)
+    if PARTIAL:
+        base = (t * NSPLIT + sp) * H + offs_h
+        tl.store(PO + base[:, None] * D + offs_d[None, :], acc, mask=hmask[:, None])
+        tl.store(PML + base * 2, m_i, mask=hmask)
+        tl.store(PML + base * 2 + 1, l_i, mask=hmask)
+    else:
+        o = acc / l_i[:, None]
+        tl.store(O + t * so_t + offs_h[:, None] * so_h + offs_d[None, :], o.to(O.dtype.element_ty),
+                 mask=hmask[:, None])
+
+
+@triton.jit
+def _combine_splits_kernel(PO, PML, SINK, O, H, NSPLIT, so_t, so_h, D: tl.constexpr, BH: tl.constexpr):
+    """Merge the key-range partials of one token in split order, starting from the sink."""
     t = tl.program_id(0)
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
     offs_d = tl.arange(0, D)
     hmask = offs_h < H
-    q = tl.load(Q + t * sq_t + offs_h[:, None] * sq_h + offs_d[None, :], mask=hmask[:, None], other=0.0)
-    m_i = tl.load(SINK + offs_h, mask=hmask, other=0.0).to(tl.float32)
-    l_i = tl.full([BH], 1.0, tl.float32)
+    m = tl.load(SINK + offs_h, mask=hmask, other=0.0).to(tl.float32)
+    l = tl.full([BH], 1.0, tl.float32)
     acc = tl.zeros([BH, D], tl.float32)
-    for n0 in range(0, KSEL, BN):
-        offs_n = n0 + tl.arange(0, BN)
-        idx = tl.load(IDX + t * si_t + offs_n, mask=offs_n < KSEL, other=-1)
-        valid = idx >= 0
-        if tl.max(valid.to(tl.int32), 0) > 0:
-            rows = tl.where(valid, idx, 0).to(tl.int64)
-            k = tl.load(KV + rows[:, None] * skv_n + offs_d[None, :], mask=valid[:, None], other=0.0)
-            m_i, l_i, acc = _attn_block(q, k, valid, m_i, l_i, acc, scale, IEEE)
-    o = acc / l_i[:, None]
-    tl.store(O + t * so_t + offs_h[:, None] * so_h + offs_d[None, :], o.to(O.dtype.element_ty), mask=hmask[:, None])
+    for sp in range(0, NSPLIT):
+        base = (t * NSPLIT + sp) * H + offs_h
+        mp = tl.load(PML + base * 2, mask=hmask, other=-1.0e30)
+        lp = tl.load(PML + base * 2 + 1, mask=hmask, other=0.0)
+        ap = tl.load(PO + base[:, None] * D + offs_d[None, :], mask=hmask[:, None], other=0.0)
+        m_new = tl.maximum(m, mp)
+        a = tl.exp(m - m_new)
+        b = tl.exp(mp - m_new)
+        l = l * a + lp * b
+        acc = acc * a[:, None] + ap * b[:, None]
+        m = m_new
+    tl.store(O + t * so_t + offs_h[:, None] * so_h + offs_d[None, :], (acc / l[:, None]).to(O.dtype.element_ty),
+             mask=hmask[:, None])
 
 
 TILES: tuple[int, int, int] | None = None  # (BH, BN, num_warps) override, for tuning runs only
+# Batch-invariant mode: one program walks all keys of a token (no split of the key reduction). The
+# default splits the keys of the gather form into fixed ranges of SPLIT_KEYS when the batch alone
+# would leave most SMs idle (decode), which makes the summation order depend on the batch size.
+BATCH_INVARIANT = os.environ.get("KERNELS_NVIDIA_BATCH_INVARIANT", "0") == "1"
+SPLIT_KEYS = 128
+SPLIT: bool | None = None  # force (True/False) the split decision, for tests and tuning runs
+_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _SMS:
+        _SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _SMS[i]
 
 
 def _tiles(h: int, d: int, dtype: torch.dtype) -> tuple[int, int, int]:
@@ -95,7 +149,7 @@ def _tiles(h: int, d: int, dtype: torch.dtype) -> tuple[int, int, int]:
     bh = max(16, min(32, triton.next_power_of_2(h)))
     if dtype == torch.float32:
         return bh, 16, 8
-    return bh, 32, 8
+    return bh, 64, 8
 
 
 def _check(q: torch.Tensor, d: int) -> None:
@@ -126,7 +180,7 @@ def sparse_attention(q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor,
 
 def sparse_attention_indexed(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
                              scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """q: [T, H, d]; kv: [R, d] (K = V rows); idx: [T, K] row ids (-1 = none); sink: [H] -> [T, H, d]."""
+    """q: [T, H, d]; kv: [R, d] (K = V rows); idx: [T, K] distinct row ids (-1 = none); sink: [H] -> [T, H, d]."""
     t, h, d = q.shape
     _check(q, d)
     kv = kv.to(q.dtype)
@@ -138,8 +192,28 @@ def sparse_attention_indexed(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tenso
     if t == 0:
         return out
     bh, bn, warps = _tiles(h, d, q.dtype)
-    _sparse_attn_indexed_kernel[(t, triton.cdiv(h, bh))](
-        q, kv, idx, sink, out, idx.shape[1], h, float(scale),
-        q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), out.stride(0), out.stride(1),
-        D=d, BH=bh, BN=bn, IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=2)
+    ksel = idx.shape[1]
+    hb = triton.cdiv(h, bh)
+    split = SPLIT
+    if split is None:
+        split = (not BATCH_INVARIANT and q.is_cuda and ksel > SPLIT_KEYS
+                 and t * hb < 2 * _num_sms(q.device))
+    ieee = q.dtype == torch.float32
+    if not split:
+        _sparse_attn_indexed_kernel[(t, hb, 1)](
+            q, kv, idx, sink, out, out, out, ksel, h, float(scale),
+            q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), out.stride(0), out.stride(1), 1,
+            D=d, BH=bh, BN=bn, SPLIT=triton.cdiv(ksel, bn) * bn, PARTIAL=False, IEEE=ieee,
+            num_warps=warps, num_stages=2)
+        return out
+    sk = max(SPLIT_KEYS, bn)
+    ns = triton.cdiv(ksel, sk)
+    po = torch.empty(t, ns, h, d, dtype=torch.float32, device=q.device)
+    pml = torch.empty(t, ns, h, 2, dtype=torch.float32, device=q.device)
+    _sparse_attn_indexed_kernel[(t, hb, ns)](
+        q, kv, idx, sink, out, po, pml, ksel, h, float(scale),
+        q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), out.stride(0), out.stride(1), ns,
+        D=d, BH=bh, BN=bn, SPLIT=sk, PARTIAL=True, IEEE=ieee, num_warps=warps, num_stages=2)
+    _combine_splits_kernel[(t, hb)](po, pml, sink, out, h, ns, out.stride(0), out.stride(1), D=d, BH=bh,
+                                    num_warps=8)
     return out

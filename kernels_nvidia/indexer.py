@@ -3,10 +3,11 @@
 * `indexer_scores(q, weights, keys)`: I[t, i] = sum_h w[t, h] * relu(q[t, h] . k[i]) as one kernel:
   a program owns a fixed [BT tokens x BN keys] tile, loads its keys once and loops over the heads in
   order (fixed reduction order: batch-invariant; the tile never depends on T).
-* `topk_rows(scores, k)`: the oracle's stable descending order (ties -> lower index, -inf -> -1) via
+* `topk_rows_packed(scores, k)`: the oracle's stable descending order (ties -> lower index, -inf -> -1) via
   unique packed keys: the fp32 score is mapped to an order-preserving int32 and packed above the
   complemented column index into an int64, so `torch.topk` over distinct keys has exactly one answer
-  (deterministic, any batch).
+  (deterministic, any batch). Measured 0.4-0.5x the oracle's stable fp32 sort on the H200 (int64
+  radix passes), so the dispatch keeps the oracle for `topk_rows`.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def _ordered_int(scores: torch.Tensor) -> torch.Tensor:
 _NEG_INF_KEY = -2139095041  # _ordered_int(-inf): int32 bits of -inf (0xFF800000) ^ 0x7FFFFFFF
 
 
-def topk_rows(scores: torch.Tensor, k: int) -> torch.Tensor:
+def topk_rows_packed(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest finite scores per row, -1 where fewer exist (oracle semantics)."""
     t, n_cols = scores.shape
     n = min(k, n_cols)

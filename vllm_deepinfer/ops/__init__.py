@@ -54,10 +54,12 @@ def backend_for(x: torch.Tensor) -> str:
 def _dispatch(name: str, x: torch.Tensor, *args, **kwargs):
     nv = _nvidia(x)
     if nv is not None:
-        try:
-            return getattr(nv, name)(*args, **kwargs)
-        except NotImplementedError:
-            pass
+        fn = getattr(nv, name, None)
+        if fn is not None:
+            try:
+                return fn(*args, **kwargs)
+            except NotImplementedError:
+                pass
     return getattr(reference, name)(*args, **kwargs)
 
 
