@@ -39,6 +39,16 @@ from tests.reference.dense_v41 import DenseV41  # noqa: E402
 
 
 # --------------------------------------------------------------------------- fixtures
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """The tiny models gain nothing from intra-op threads, and on a busy 2-core machine
+    torch's OpenMP barriers make two threads 20-50x slower than one."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _generate(arch: str, out: Path, seed: int = 0) -> Path:
     env_key = {"v4.1-flash": "REF_CKPT_V41", "v4-flash": "REF_CKPT_V4"}[arch]
     if os.environ.get(env_key):
@@ -48,7 +58,8 @@ def _generate(arch: str, out: Path, seed: int = 0) -> Path:
     cmd = [sys.executable, "-m", "vllm_deepinfer.tools.make_checkpoint", "--arch", arch,
            "--preset", "tiny", "--seed", str(seed), "--out", str(out)]
     try:
-        res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     except subprocess.TimeoutExpired:
         pytest.fail(f"checkpoint generator timed out: {' '.join(cmd)}")
     if res.returncode != 0:
