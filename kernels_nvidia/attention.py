@@ -146,10 +146,14 @@ def _tiles(h: int, d: int, dtype: torch.dtype) -> tuple[int, int, int]:
     """Fixed (BH, BN, num_warps) for a head count / head dim: never depends on the token count."""
     if TILES is not None:
         return TILES
-    bh = max(16, min(32, triton.next_power_of_2(h)))
     if dtype == torch.float32:
-        return bh, 16, 8
-    return bh, 64, 8
+        return max(16, min(32, triton.next_power_of_2(h))), 16, 8
+    # H200 sweep (benchmarks/results/h200_kernels_v2.log): all 64 heads in one program (M = 64 for the
+    # tensor cores, each gathered row read once per token) is best from T = 64 up; 108 us at T = 256.
+    return max(16, min(64, triton.next_power_of_2(h))), 64, 8
+
+
+_SPLIT_TILES = (16, 64, 4)  # split-KV decode: many small programs (13.9 us at T = 1 vs 31.8 unsplit)
 
 
 def _check(q: torch.Tensor, d: int) -> None:
@@ -159,11 +163,34 @@ def _check(q: torch.Tensor, d: int) -> None:
         raise NotImplementedError("q must be contiguous in its last dim")
 
 
+GATHER_FROM_T = 64  # mask form with at least this many queries: convert to the gather form
+
+
+def mask_to_indices(allowed: torch.Tensor) -> torch.Tensor:
+    """[T, N] bool -> [T, K] int32 column ids in increasing order, -1 padded (K = max row count; syncs)."""
+    t, n = allowed.shape
+    counts = allowed.sum(1)
+    k = int(counts.max()) if t else 0
+    idx = torch.full((t, max(k, 1)), -1, dtype=torch.int32, device=allowed.device)
+    rows, cols = allowed.nonzero(as_tuple=True)
+    starts = torch.cumsum(counts, 0) - counts
+    slot = torch.arange(rows.numel(), device=allowed.device) - starts[rows]
+    idx[rows, slot] = cols.to(torch.int32)
+    return idx
+
+
 def sparse_attention(q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor, sink: torch.Tensor,
                      scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """q: [T, H, d]; keys: [N, d]; allowed: [T, N] bool; sink: [H] -> [T, H, d] (q.dtype)."""
+    """q: [T, H, d]; keys: [N, d]; allowed: [T, N] bool; sink: [H] -> [T, H, d] (q.dtype).
+
+    From GATHER_FROM_T queries on (prefill) and always in batch-invariant mode, the mask is turned
+    into per-query row ids and the gather kernel runs (only allowed keys are loaded and multiplied;
+    measured 8.4 ms -> see NOTES-gpu.md at T = 4096); below, the mask kernel skips empty key blocks.
+    """
     t, h, d = q.shape
     _check(q, d)
+    if (t >= GATHER_FROM_T or BATCH_INVARIANT) and q.is_cuda:
+        return sparse_attention_indexed(q, keys, mask_to_indices(allowed), sink, scale, out=out)
     keys = keys.to(q.dtype).contiguous()
     allowed = allowed.contiguous().view(torch.uint8)
     sink = sink.float().contiguous()
@@ -193,12 +220,14 @@ def sparse_attention_indexed(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tenso
         return out
     bh, bn, warps = _tiles(h, d, q.dtype)
     ksel = idx.shape[1]
-    hb = triton.cdiv(h, bh)
     split = SPLIT
-    if split is None:
+    if split is None:  # split only while the unsplit grid would fill under a quarter of the SMs
         split = (not BATCH_INVARIANT and q.is_cuda and ksel > SPLIT_KEYS
-                 and t * hb < 2 * _num_sms(q.device))
+                 and t * triton.cdiv(h, bh) < _num_sms(q.device) // 4)
     ieee = q.dtype == torch.float32
+    if split and not ieee and TILES is None:
+        bh, bn, warps = _SPLIT_TILES
+    hb = triton.cdiv(h, bh)
     if not split:
         _sparse_attn_indexed_kernel[(t, hb, 1)](
             q, kv, idx, sink, out, out, out, ksel, h, float(scale),

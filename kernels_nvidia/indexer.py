@@ -38,6 +38,25 @@ def _indexer_scores_kernel(Q, W, K, OUT, T, N, HI, sq_t, sq_h, sw_t, sk_n, so_t,
     tl.store(OUT + offs_t[:, None] * so_t + offs_n[None, :], acc, mask=tmask[:, None] & nmask[None, :])
 
 
+@triton.jit
+def _indexer_scores_heads_kernel(Q, W, K, OUT, T, N, sq_t, sq_h, sw_t, sk_n, so_t,
+                                 HI: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr):
+    """Heads as the MMA rows: per token one [HI, D] x [D, BN] product, relu, weighted sum over heads.
+    A program owns BN keys (loaded once) and BT consecutive tokens; a token's result never depends on BT."""
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    offs_h = tl.arange(0, HI)
+    offs_d = tl.arange(0, D)
+    nmask = offs_n < N
+    k = tl.load(K + offs_n[:, None] * sk_n + offs_d[None, :], mask=nmask[:, None], other=0.0)
+    for i in range(0, BT):
+        t = tl.program_id(0) * BT + i
+        if t < T:
+            q = tl.load(Q + t * sq_t + offs_h[:, None] * sq_h + offs_d[None, :])
+            w = tl.load(W + t * sw_t + offs_h).to(tl.float32)
+            s = tl.maximum(tl.dot(q, tl.trans(k)), 0.0)
+            tl.store(OUT + t * so_t + offs_n, tl.sum(s * w[:, None], 0), mask=nmask)
+
+
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                    out: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, H_I, d_I]; weights: [T, H_I]; keys: [N, d_I] -> [T, N] fp32."""
@@ -52,11 +71,20 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
     if t == 0 or n == 0:
         return out
     ieee = q.dtype == torch.float32
+    if not ieee and HEADS_AS_ROWS and 16 <= hi <= 128 and hi & (hi - 1) == 0:
+        bt, bn = 16, 64
+        _indexer_scores_heads_kernel[(triton.cdiv(t, bt), triton.cdiv(n, bn))](
+            q, weights, keys, out, t, n, q.stride(0), q.stride(1), weights.stride(0), keys.stride(0),
+            out.stride(0), HI=hi, D=d, BT=bt, BN=bn, num_warps=4, num_stages=2)
+        return out
     bt, bn = 16, (32 if ieee else 64)
     _indexer_scores_kernel[(triton.cdiv(t, bt), triton.cdiv(n, bn))](
         q, weights, keys, out, t, n, hi, q.stride(0), q.stride(1), weights.stride(0), keys.stride(0),
         out.stride(0), D=d, BT=bt, BN=bn, IEEE=ieee, num_warps=4, num_stages=2)
     return out
+
+
+HEADS_AS_ROWS = True  # bf16: the heads-as-rows kernel (False: the token-tile kernel, for comparison)
 
 
 def _ordered_int(scores: torch.Tensor) -> torch.Tensor:

@@ -76,6 +76,19 @@ def test_sparse_attention_dense_mask(device, dtype, shape):
     q, keys, allowed, sink = _attn_inputs(device, dtype, t, h, n)
     scale = 512 ** -0.5
     out = torch.full_like(q, float("nan"))
+    if shape == "prefill" and device == "cuda":
+        # the gather path (the default from GATHER_FROM_T queries) and the mask kernel both
+        from kernels_nvidia import attention as kattn
+        o2 = torch.full_like(q, float("nan"))
+        old, kattn.GATHER_FROM_T = kattn.GATHER_FROM_T, 1 << 30
+        try:
+            kn.sparse_attention(q, keys, allowed, sink, scale, out=o2)
+        finally:
+            kattn.GATHER_FROM_T = old
+        want = ref.sparse_attention(q.cpu(), keys.cpu(), allowed.cpu(), sink.cpu(), scale)
+        err = _rel(o2, want)
+        print(f"sparse_attention prefill mask-kernel {dtype}: rel err {err:.2e}")
+        assert err < BOUND[dtype]
     kn.sparse_attention(q, keys, allowed, sink, scale, out=out)
     want = ref.sparse_attention(q.cpu(), keys.cpu(), allowed.cpu(), sink.cpu(), scale)
     err = _rel(out, want)
@@ -111,9 +124,12 @@ def test_sparse_attention_indexed(device, dtype, split, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_indexer_scores(device, dtype):
+@pytest.mark.parametrize("heads_as_rows", [True, False])
+def test_indexer_scores(device, dtype, heads_as_rows, monkeypatch):
+    from kernels_nvidia import indexer as kidx
     from kernels_nvidia import ops as kn
     _skip_interp_bf16_dot(device, dtype)
+    monkeypatch.setattr(kidx, "HEADS_AS_ROWS", heads_as_rows)
     _seed()
     t, hi, n = (5, 8, 70) if _small(device) else (300, 64, 3000)
     q = torch.randn(t, hi, 128, device=device).to(dtype)
@@ -123,7 +139,7 @@ def test_indexer_scores(device, dtype):
     kn.indexer_scores(q, w, keys, out=out)
     want = ref.indexer_scores(q.cpu(), w.cpu(), keys.cpu())
     err = _rel(out, want)
-    print(f"indexer_scores {dtype}: rel err {err:.2e}")
+    print(f"indexer_scores heads_as_rows={heads_as_rows} {dtype}: rel err {err:.2e}")
     assert err < BOUND[dtype]
 
 
@@ -219,7 +235,7 @@ def test_batch_invariance(device, monkeypatch):
     full = kn.sparse_attention(q, keys, allowed, sink, 0.05)
     one = kn.sparse_attention(q[3:4].clone(), keys, allowed[3:4].clone(), sink, 0.05)
     assert torch.equal(full[3:4], one)
-    qi = torch.randn(q.shape[0], 8 if small else 64, 128, device=device).to(torch.bfloat16)
+    qi = torch.randn(q.shape[0], 16 if small else 64, 128, device=device).to(torch.bfloat16)
     wi = torch.randn(q.shape[0], qi.shape[1], device=device)
     si = kn.indexer_scores(qi, wi, keys[:, :128].contiguous())
     s1 = kn.indexer_scores(qi[5:6].clone(), wi[5:6].clone(), keys[:, :128].contiguous())
