@@ -25,3 +25,4 @@ def apply_all() -> None:
     cpu_platform.apply()
     importlib.import_module("vllm_deepinfer.patches.cpu_dist_version").apply()
     importlib.import_module("vllm_deepinfer.patches.so_args_request").apply()
+    importlib.import_module("vllm_deepinfer.patches.empty_messages").apply()
