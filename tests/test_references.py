@@ -423,8 +423,15 @@ def test_dense_v41_finite_deterministic(dense):
     assert a.shape == (300, dense.V) and torch.isfinite(a).all()
     b = dense.logits(ids)
     assert torch.equal(a, b)
-    gen = dense.greedy(ids[:50], 3)
-    assert len(gen) == 3 and gen[0] == int(torch.argmax(a[49]))
+    gen = dense.greedy(ids[:50], 6)
+    assert len(gen) == 6 and gen[0] == int(torch.argmax(a[49]))
+    # teacher forcing: the full-sequence logits put their argmax on every greedy token
+    tf = dense.logits(ids[:50] + gen)[49:-1].argmax(-1).tolist()
+    assert tf == gen
+    # draft-verified greedy is exact whatever the draft
+    assert dense.greedy(ids[:50], 6, draft=gen) == gen
+    assert dense.greedy(ids[:50], 6, draft=gen[:2] + [7, 7, 7]) == gen
+    assert dense.greedy(ids[:50], 6, draft=[5] * 6) == gen
 
 
 def test_dense_v41_causal_prefix_with_selection(dense_k16):

@@ -7,7 +7,8 @@ no code from vLLM, transformers or DeepSeek.
 What it is
     * One forward over the *whole* token sequence at once, with explicit masks:
       no paging, no KV caches, no compressor state, no incremental decode.
-      ``greedy`` simply recomputes the full sequence for every new token.
+      ``greedy`` recomputes the full sequence for every new token (or verifies a
+      caller's draft with full-sequence forwards; the result is the same).
     * All arithmetic in ``dtype`` (float32 by default; float64 also works).  Weights
       are dequantised once at load time with this module's own decoders
       (FP8 E4M3 + UE8M0 block scales, MXFP4 experts, Engram FP8 rows), §4.
@@ -391,7 +392,8 @@ class DenseV41:
     """Dense full-sequence reference of DeepSeek-V4.1-Flash.
 
     ``DenseV41(ckpt_dir, dtype=torch.float32)``; ``.logits(ids) -> [T, V]``;
-    ``.greedy(prompt_ids, n) -> list[int]`` (the n generated ids).
+    ``.greedy(prompt_ids, n, draft=None) -> list[int]`` (the n generated ids);
+    ``.hidden(ids, trace=None) -> [T, D]`` (final-normed hidden states, optional trace).
     """
 
     def __init__(self, ckpt_dir: str | Path, dtype: torch.dtype = torch.float32):
@@ -842,16 +844,42 @@ class DenseV41:
         return self.hidden(token_ids) @ self.head.T
 
     @torch.no_grad()
-    def greedy(self, prompt_ids: list[int], n: int) -> list[int]:
-        """Greedy continuation: recompute the full sequence per new token; returns n ids.
+    def greedy(self, prompt_ids: list[int], n: int, draft: list[int] | None = None) -> list[int]:
+        """Greedy continuation of ``prompt_ids``: the n generated ids (argmax ties -> lowest id).
 
-        Argmax ties resolve to the lowest token id.
+        Without ``draft`` every new token recomputes the full sequence.  With a ``draft``
+        (e.g. another implementation's greedy output) the result is still exactly this
+        reference's greedy continuation, computed by Jacobi-style verification: one full
+        forward over prompt + guess accepts the longest prefix of the guess that equals
+        the argmax continuation, plus one corrected token, and the next guess takes the
+        argmaxes of that forward.  A correct draft costs one forward; each pass fixes at
+        least one more token, so at most n passes.
         """
         seq = [int(i) for i in prompt_ids]
-        out = []
-        for _ in range(n):
-            last = self.hidden(seq)[-1] @ self.head.T
-            nxt = int(_stable_topk_idx(last, 1)[0])
-            out.append(nxt)
-            seq.append(nxt)
-        return out
+        if n <= 0:
+            return []
+        if draft is None:
+            out = []
+            for _ in range(n):
+                last = self.hidden(seq)[-1] @ self.head.T
+                nxt = int(_stable_topk_idx(last, 1)[0])
+                out.append(nxt)
+                seq.append(nxt)
+            return out
+        P = len(seq)
+        guess = [int(t) for t in draft[:n]]
+        done = 0  # guess[:done] is verified
+        while True:
+            guess = guess + [0] * (n - len(guess))
+            h = self.hidden(seq + guess[: n - 1])[P - 1:]
+            am = [int(v) for v in _stable_topk_idx(h @ self.head.T, 1)[:, 0]]  # am[i]: argmax given guess[:i]
+            i = done
+            while i < n and guess[i] == am[i]:
+                i += 1
+            if i == n:
+                return guess
+            # guess[:i] is right, so am[i] is the true token i; later argmaxes are the next guess
+            guess = guess[:i] + am[i:]
+            done = i + 1
+            if done == n:
+                return guess
