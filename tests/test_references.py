@@ -526,3 +526,20 @@ def test_hf_v4_index_topk_override_is_used(hf_k16, v4_dir):
 def test_hf_v4_greedy_cache_equals_recompute(hf_k16):
     ids = _ids(61, min(hf_k16.config.vocab_size, 4000), 7)  # crosses CSA/HCA group ends while decoding
     assert hf_k16.greedy(ids, 8) == hf_k16.greedy(ids, 8, use_cache=False)
+
+
+def test_hf_v4_load_paths_agree(hf_k16, v4_dir):
+    """HF's FP8 quantizer path (needs `accelerate`) and the pre-dequantised copy load the
+    same weights (both dequantise with HF's own op)."""
+    from tests.reference.hf_v4 import HFV4, _have_accelerate
+
+    if not _have_accelerate():
+        pytest.skip("accelerate not installed: only the dequantised-copy path is available")
+    assert hf_k16.load_path == "hf-quantizer"
+    alt = HFV4(v4_dir, index_topk=16, use_hf_quantizer=False)
+    a, b = hf_k16.model.state_dict(), alt.model.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    ids = _ids(90, min(alt.config.vocab_size, 4000), 12)
+    assert torch.equal(hf_k16.logits(ids), alt.logits(ids))

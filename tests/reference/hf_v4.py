@@ -31,8 +31,12 @@ How the checkpoint reaches HF (all of it is HF's own machinery; nothing is renam
       experts by their ``int8`` dtype, unpacks two E2M1 nibbles per byte (low nibble first)
       and applies the per-32 scales, deriving the block shape from the scale grid -- so
       ``expert_dtype`` (``fp4``) is not consulted on this path.  Result: plain ``nn.Linear``
-      / expert tensors holding the dequantised values.  This needs the ``accelerate``
-      package (HF's quantizer refuses to load without it).
+      / expert tensors holding the dequantised values.  HF's quantizer refuses to load
+      without the ``accelerate`` package; when it is missing (or ``use_hf_quantizer=False``)
+      the adapter instead writes a temporary copy of the checkpoint whose quantised
+      linears were dequantised by the very same HF op (``Fp8Dequantize._dequantize_one``)
+      and whose config has no ``quantization_config``, and loads that (bit-identical
+      weights; a test checks both paths agree).
     * dtype: after loading, every floating tensor is cast to ``dtype`` (default float32).
       HF leaves the checkpoint's BF16 tensors (embed, norms, compressor/indexer
       projections, gate) in BF16 and the dequantised ones in the requested dtype, which
@@ -51,7 +55,7 @@ leaves tie order implementation-defined (§7 Q18); ``torch.topk`` picks an arbit
 During HF's forward this adapter makes ``Tensor.topk`` a stable sort (equal scores -> lower
 index first), the order the plugin and the dense V4.1 reference use. Values are unchanged.
 
-API: ``HFV4(ckpt_dir, dtype=torch.float32, index_topk=None)``;
+API: ``HFV4(ckpt_dir, dtype=torch.float32, index_topk=None, use_hf_quantizer=None)``;
 ``.logits(ids) -> [T, V]`` (one full-sequence forward, float32);
 ``.greedy(prompt_ids, n, use_cache=True) -> list[int]`` (HF's own compressor/window
 cache, or ``use_cache=False`` for full recompute per token; argmax ties -> lowest id).
@@ -82,35 +86,111 @@ def _stable_ties():
         torch.Tensor.topk = original
 
 
+def _have_accelerate() -> bool:
+    try:
+        import accelerate  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _hf_dequantised_copy(src: Path, dst: Path) -> None:
+    """Write a dequantised copy of checkpoint ``src`` to ``dst`` with HF's own dequantiser.
+
+    Every ``<linear>.weight`` that has a ``<linear>.scale`` sibling (FP8 block or MXFP4
+    expert) goes through ``transformers``' ``Fp8Dequantize._dequantize_one`` (the op HF's
+    FP8 quantizer runs on load); other tensors are copied; ``mtp.*`` is dropped (HF ignores
+    it); ``config.json`` loses ``quantization_config``.  Names stay DeepSeek-native, so
+    HF's conversion mapping still does all renaming/merging.
+    """
+    import json
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    deq = Fp8Dequantize(None)  # the op does not use its quantizer for dequantisation
+    dst.mkdir(parents=True, exist_ok=True)
+    index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    names = set(index)
+    new_map: dict[str, str] = {}
+    total = 0
+    for shard in sorted(set(index.values())):
+        out: dict[str, torch.Tensor] = {}
+        with safe_open(str(src / shard), framework="pt") as f:
+            for name in f.keys():
+                if name.startswith("mtp."):
+                    continue
+                base = name[: -len(".weight")] if name.endswith(".weight") else None
+                if name.endswith(".scale") and name[: -len(".scale")] + ".weight" in names:
+                    continue
+                t = f.get_tensor(name)
+                if base is not None and base + ".scale" in names:
+                    shard_of_scale = index[base + ".scale"]
+                    with safe_open(str(src / shard_of_scale), framework="pt") as g:
+                        scale = g.get_tensor(base + ".scale")
+                    t = deq._dequantize_one(t, scale, output_dtype=torch.float32)
+                out[name] = t.contiguous()
+                total += t.numel() * t.element_size()
+        save_file(out, str(dst / shard), metadata={"format": "pt"})
+        new_map.update({k: shard for k in out})
+    (dst / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": new_map}))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.pop("quantization_config", None)
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    for extra in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        if (src / extra).exists():
+            shutil.copy(src / extra, dst / extra)
+
+
 class HFV4:
-    def __init__(self, ckpt_dir: str | Path, dtype: torch.dtype = torch.float32, index_topk: int | None = None):
-        try:
-            import accelerate  # noqa: F401  (HF's FP8 quantizer requires it)
-        except ImportError as e:  # pragma: no cover - environment problem
-            raise ImportError("tests.reference.hf_v4 needs the 'accelerate' package "
-                              "(transformers' FP8 quantizer refuses to load without it)") from e
+    def __init__(self, ckpt_dir: str | Path, dtype: torch.dtype = torch.float32, index_topk: int | None = None,
+                 use_hf_quantizer: bool | None = None):
+        """``use_hf_quantizer``: None = HF's FP8 quantizer (dequantize=True) when the
+        ``accelerate`` package is installed, else the pre-dequantised copy; True/False force."""
+        import tempfile
+
         from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, FineGrainedFP8Config
 
         self.dir = Path(ckpt_dir)
         self.dtype = dtype
+        if use_hf_quantizer is None:
+            use_hf_quantizer = _have_accelerate()
+        elif use_hf_quantizer and not _have_accelerate():
+            raise ImportError("use_hf_quantizer=True needs the 'accelerate' package")
+        self.load_path = "hf-quantizer" if use_hf_quantizer else "hf-dequantised-copy"
+        tmp = None
+        load_dir = self.dir
         config = DeepseekV4Config.from_pretrained(str(self.dir))
-        if index_topk is not None:
-            config.index_topk = int(index_topk)
         qc = getattr(config, "quantization_config", None) or {}
         if not isinstance(qc, dict):
             qc = qc.to_dict()
         quant = None
         if qc.get("quant_method") == "fp8":
-            quant = FineGrainedFP8Config(
-                dequantize=True,
-                weight_block_size=tuple(qc.get("weight_block_size", (128, 128))),
-                scale_fmt=qc.get("scale_fmt", "ue8m0"),
-                activation_scheme=qc.get("activation_scheme", "dynamic"),
-            )
+            if use_hf_quantizer:
+                quant = FineGrainedFP8Config(
+                    dequantize=True,
+                    weight_block_size=tuple(qc.get("weight_block_size", (128, 128))),
+                    scale_fmt=qc.get("scale_fmt", "ue8m0"),
+                    activation_scheme=qc.get("activation_scheme", "dynamic"),
+                )
+            else:
+                tmp = tempfile.TemporaryDirectory(prefix="hf_v4_deq_")
+                load_dir = Path(tmp.name)
+                _hf_dequantised_copy(self.dir, load_dir)
+                config = DeepseekV4Config.from_pretrained(str(load_dir))
+        if index_topk is not None:
+            config.index_topk = int(index_topk)
         kwargs = {"config": config, "dtype": dtype, "output_loading_info": True}
         if quant is not None:
             kwargs["quantization_config"] = quant
-        model, info = DeepseekV4ForCausalLM.from_pretrained(str(self.dir), **kwargs)
+        try:
+            model, info = DeepseekV4ForCausalLM.from_pretrained(str(load_dir), **kwargs)
+        finally:
+            if tmp is not None:
+                tmp.cleanup()
         bad = {k: list(v) for k, v in info.items() if k != "error_msgs" and v}
         if bad or info.get("error_msgs"):
             raise RuntimeError(f"HF load of {self.dir} is not clean: {bad} {info.get('error_msgs')}")
