@@ -416,6 +416,35 @@ def test_engram_hash_vs_naive(dense):
                         assert got[p, c] == acc % int(E["primes"][c]) + int(E["offsets"][c])
 
 
+def test_engram_injection_vs_naive(dense):
+    """§3.9 lookup (FP8 rows x per-32 E8M0 scales), wkv projection, per-stream gate, injection."""
+    m = dense
+    lid = m.engram_ids[-1]
+    E = m.eg[lid]
+    ids = _ids(9, _text_vocab(m), 13)
+    X = torch.randn(len(ids), m.hc, m.D, generator=torch.Generator().manual_seed(14))
+    got = m._engram(lid, X, ids)
+    hashes = m.engram_hashes(lid, ids)
+    D, h = m.D, m.hc
+    for t in range(len(ids)):
+        parts = []
+        for c in range(hashes.shape[1]):
+            r = int(hashes[t, c])
+            raw = dv.decode_e4m3(E["table"][r])
+            sc = dv.decode_e8m0(E["table_scale"][r])
+            parts.append(torch.stack([raw[i] * sc[i // 32] for i in range(m.eg_dim)]))
+        kv = torch.cat(parts) @ E["wkv"].T
+        val = kv[h * D:]
+        for j in range(h):
+            key = kv[j * D:(j + 1) * D]
+            xj = X[t, j]
+            rx = torch.sqrt((xj ** 2).mean() + m.eps)
+            rk = torch.sqrt((key ** 2).mean() + m.eps)
+            dot = float(((xj / rx) * E["q_w"][j] * E["k_w"][j] * (key / rk)).sum()) / math.sqrt(D)
+            gate = 1 / (1 + math.exp(-math.copysign(math.sqrt(max(abs(dot), 1e-6)), dot)))
+            torch.testing.assert_close(got[t, j], xj + gate * val, rtol=1e-4, atol=1e-5)
+
+
 # --------------------------------------------------------------------------- dense V4.1 end to end
 def test_dense_v41_finite_deterministic(dense):
     ids = _ids(300, _text_vocab(dense), 0)

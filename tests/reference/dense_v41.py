@@ -795,7 +795,8 @@ class DenseV41:
         xn = _rmsnorm(X, None, self.eps)
         kn = _rmsnorm(keys, None, self.eps)
         dot = (xn * E["q_w"] * E["k_w"] * kn).sum(-1) / math.sqrt(D)  # [T, h]
-        gate = torch.sigmoid(torch.sign(dot) * torch.sqrt(dot.abs().clamp_min(1e-6)))
+        mag = torch.sqrt(dot.abs().clamp_min(1e-6))
+        gate = torch.sigmoid(torch.where(dot < 0, -mag, mag))  # dot == 0 counts as positive (vLLM)
         return X + gate.unsqueeze(-1) * val.unsqueeze(1)
 
     # -- public API ---------------------------------------------------------------
