@@ -41,12 +41,15 @@ What it ignores
 Conventions chosen where the spec leaves freedom (documented here once)
     * Top-k tie-breaking is *stable*: among equal scores the lower index wins.  This
       applies to the indexer's top-``index_topk``, the candidate-block top-k and the
-      MoE expert selection.  (vLLM/HF use ``torch.topk``: ties are
-      implementation-defined there, spec §3.6 / §7 Q18.)
+      MoE expert selection; greedy argmax ties go to the lowest token id.  (vLLM/HF
+      use ``torch.topk``: ties are implementation-defined there, spec §3.6 / §7 Q18.)
+      Exact ties are not rare: a row whose index heads all ReLU to 0 scores exactly 0.
     * "All rows when valid rows <= k" is applied per query: a query with at most
       ``index_topk`` visible compressed rows attends to all of them.  For a single
       sequence this equals vLLM's per-batch rule ``max_seq_len // m <= k`` (for a
-      query with few rows, top-k of its rows is all of them either way).
+      query with few rows, top-k of its rows is all of them either way; with the
+      candidate filter this needs ``ceil(k / block) <= candidate_topk_blocks``, true for
+      the release, canonical tiny and k16 configs).
     * Candidate filter: blocks whose rows are all invalid are never candidates (their
       block score is -inf); if a masked top-k finds fewer than ``index_topk`` finite
       scores only the finite ones are selected (vLLM pads with -1).
