@@ -89,7 +89,7 @@ class Server:
                "--gpu-memory-utilization", "0.2", "--enforce-eager", "--max-num-seqs", "32",
                "--enable-auto-tool-choice", "--tool-call-parser", "deepinfer_v41",
                "--reasoning-parser", "deepinfer_v41",
-               "--structured-outputs-config", json.dumps({"backend": "xgrammar", "enable_in_reasoning": True})]
+               "--structured-outputs-config", json.dumps({"backend": "xgrammar", "enable_in_reasoning": True, "disable_any_whitespace": True})]
         self._logf = open(log, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._logf, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)

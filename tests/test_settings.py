@@ -1,0 +1,49 @@
+"""DEEPINFER_* settings: honoured, mapped or rejected with the reason (vllm_deepinfer/serving/settings.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_deepinfer.serving import settings
+
+
+@pytest.mark.parametrize("name", ["DEEPINFER_BATCH_INVARIANT", "DEEPINFER_ENABLE_MTP_VARLEN", "DEEPINFER_USE_NEXTN_DECODE",
+                                  "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS"])
+def test_unsupported_rejected_with_reason_off_accepted(name):
+    with pytest.raises(settings.DeepInferSettingError, match=f"{name}.*not (supported|implemented)"):
+        settings.check({name: "1"}, platform_device="cpu")
+    for off in ("0", "false", "off", "none"):
+        settings.check({name: off}, platform_device="cpu")
+
+
+def test_accelerator_checked_against_platform():
+    settings.check({"DEEPINFER_ACCELERATOR": "cpu"}, platform_device="cpu")
+    settings.check({"DEEPINFER_ACCELERATOR": "nvidia"}, platform_device="cuda")
+    with pytest.raises(settings.DeepInferSettingError, match="asks for cuda but vLLM runs on 'cpu'"):
+        settings.check({"DEEPINFER_ACCELERATOR": "cuda"}, platform_device="cpu")
+    with pytest.raises(settings.DeepInferSettingError, match="unknown"):
+        settings.check({"DEEPINFER_ACCELERATOR": "tpu9"}, platform_device="cpu")
+
+
+def test_hf_model_dir_maps_to_model(tmp_path, monkeypatch):
+    with pytest.raises(settings.DeepInferSettingError, match="no config.json"):
+        settings.check({"DEEPINFER_HF_MODEL_DIR": str(tmp_path)})
+    (tmp_path / "config.json").write_text("{}")
+    settings.check({"DEEPINFER_HF_MODEL_DIR": str(tmp_path)})
+    monkeypatch.setenv("DEEPINFER_HF_MODEL_DIR", str(tmp_path))
+    assert settings.default_model() == str(tmp_path)
+    assert settings.default_model("/explicit") == "/explicit"
+    argv = ["vllm", "serve", "--port", "8000"]
+    settings._map_model_into_serve_argv(argv)
+    assert argv == ["vllm", "serve", str(tmp_path), "--port", "8000"]
+    argv = ["vllm", "serve", "/other", "--port", "8000"]
+    settings._map_model_into_serve_argv(argv)
+    assert argv[2] == "/other"
+
+
+def test_every_readme_setting_has_a_decision():
+    readme = {"DEEPINFER_ENABLE_MTP_VARLEN", "DEEPINFER_USE_NEXTN_DECODE", "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE",
+              "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", "DEEPINFER_BATCH_INVARIANT", "DEEPINFER_HF_MODEL_DIR",
+              "DEEPINFER_ACCELERATOR"}
+    assert readme == set(settings.SETTINGS)
+    assert all(s.reason and s.vllm_equivalent for s in settings.SETTINGS.values())
