@@ -6,9 +6,11 @@ engine core; one engine serves a whole test module (start-up dominates CPU test 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -50,11 +52,21 @@ def tiny_checkpoint(root: Path, arch: str, seed: int = 0, **config_overrides) ->
     return out
 
 
-def make_llm(model: Path, **overrides):
-    """A vLLM engine for tests: float32 (exact comparisons), eager, small KV budget."""
+@contextlib.contextmanager
+def engine(model: Path, **overrides) -> Iterator:
+    """A vLLM engine for tests (float32 for exact comparisons, eager, small KV budget), shut down
+    explicitly on exit so the next engine of the process starts on a clean distributed state."""
     from vllm import LLM
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     kwargs = dict(model=str(model), dtype="float32", enforce_eager=True, gpu_memory_utilization=0.2,
                   max_model_len=4096, max_num_batched_tokens=4096, max_num_seqs=16, seed=0)
     kwargs.update(overrides)
-    return LLM(**kwargs)
+    llm = None
+    try:
+        llm = LLM(**kwargs)
+        yield llm
+    finally:
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+        cleanup_dist_env_and_memory()

@@ -29,10 +29,14 @@ def prompt_ids(model_dir, n: int, seed: int = 0) -> list[int]:
 
 @dataclasses.dataclass
 class Comparison:
-    max_prefill_logprob_diff: float
+    prefill_diffs: list[float]             # max |logprob difference| over vLLM's top-5, per prompt position
     generated: list[int]
     mismatches: list[tuple[int, int, int]]  # (step, vLLM token, reference argmax)
     margins: list[float]                   # reference top-1 minus top-2 logit at each generated step
+
+    @property
+    def max_prefill_diff(self) -> float:
+        return max(self.prefill_diffs)
 
 
 def compare(llm, reference, prompt: list[int], n_new: int) -> Comparison:
@@ -44,12 +48,10 @@ def compare(llm, reference, prompt: list[int], n_new: int) -> Comparison:
     generated = list(out.outputs[0].token_ids)
     logits = reference.logits(prompt + generated).float()
     logprobs = torch.log_softmax(logits, dim=-1)
-    diff = 0.0
-    for i, top in enumerate(out.prompt_logprobs[1:]):   # position i predicts prompt token i + 1
-        for tok, lp in top.items():
-            diff = max(diff, abs(lp.logprob - logprobs[i, tok].item()))
+    diffs = [max(abs(lp.logprob - logprobs[i, tok].item()) for tok, lp in top.items())
+             for i, top in enumerate(out.prompt_logprobs[1:])]   # position i predicts prompt token i + 1
     cont = logits[len(prompt) - 1: len(prompt) - 1 + n_new]
     ref_next = cont.argmax(-1).tolist()
     mismatches = [(i, g, r) for i, (g, r) in enumerate(zip(generated, ref_next)) if g != r]
     top2 = cont.topk(2, dim=-1).values
-    return Comparison(diff, generated, mismatches, (top2[:, 0] - top2[:, 1]).tolist())
+    return Comparison(diffs, generated, mismatches, (top2[:, 0] - top2[:, 1]).tolist())

@@ -7,7 +7,6 @@ Out-of-vocabulary token ids are rejected per request while the engine keeps serv
 
 from __future__ import annotations
 
-import gc
 import json
 import shutil
 from pathlib import Path
@@ -16,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.conftest import make_llm, tiny_checkpoint
+from tests.conftest import engine, tiny_checkpoint
 
 VICTIM = "layers.2.attn.wq_b.weight"
 
@@ -51,10 +50,10 @@ CASES = {
 
 def _expect_load_error(model_dir: Path, needle: str) -> None:
     with pytest.raises(Exception) as info:
-        make_llm(model_dir)
+        with engine(model_dir):
+            pass
     text = "".join(str(e) for e in _chain(info.value))
     assert needle in text, text[-2000:]
-    gc.collect()
 
 
 def _chain(err: BaseException):
@@ -85,13 +84,11 @@ def test_engine_after_failures_and_out_of_vocabulary_ids(ckpt_root):
     from vllm.exceptions import VLLMValidationError
     from vllm.inputs import TokensPrompt
 
-    llm = make_llm(tiny_checkpoint(ckpt_root, "v4.1-flash", 0))
     params = SamplingParams(temperature=0.0, max_tokens=4)
-    good = llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], params, use_tqdm=False)
-    for bad in ([5, 10**6, 7], [5, -3]):
-        with pytest.raises(VLLMValidationError, match="out of vocabulary"):
-            llm.generate([TokensPrompt(prompt_token_ids=bad)], params, use_tqdm=False)
-    again = llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], params, use_tqdm=False)
+    with engine(tiny_checkpoint(ckpt_root, "v4.1-flash", 0)) as llm:
+        good = llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], params, use_tqdm=False)
+        for bad in ([5, 10**6, 7], [5, -3]):
+            with pytest.raises(VLLMValidationError, match="out of vocabulary"):
+                llm.generate([TokensPrompt(prompt_token_ids=bad)], params, use_tqdm=False)
+        again = llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], params, use_tqdm=False)
     assert again[0].outputs[0].token_ids == good[0].outputs[0].token_ids
-    del llm
-    gc.collect()

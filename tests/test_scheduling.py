@@ -8,79 +8,73 @@ blocks) make the indexer and the candidate filter active at these lengths.
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 
-from tests.conftest import make_llm, tiny_checkpoint
+from tests.conftest import engine, tiny_checkpoint
 from tests.fidelity import prompt_ids
 
 LENGTHS = (5, 37, 130, 301, 700)
 N_NEW = 24
-PREEMPT_BLOCKS = 160  # fits the longest request (chunks of 128 tokens), not all five at once
+PREEMPT_BLOCKS = {"v4-flash": 80, "v4.1-flash": 110}  # any one request fits, six long decodes do not
+PREEMPT_NEW = 160
 OVERRIDES = {
     "v4-flash": {"index_topk": 16},
     "v4.1-flash": {"index_topk": 16, "candidate_topk_blocks": 4, "candidate_block_size": 8},
 }
 
 
-def _greedy(llm, prompts: list[list[int]]) -> list[list[int]]:
+def _greedy(llm, prompts: list[list[int]], n_new: int = N_NEW) -> list[list[int]]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=n_new, ignore_eos=True)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def _close(llm) -> None:
-    del llm
-    gc.collect()
-
-
 @pytest.fixture(scope="module", params=["v4-flash", "v4.1-flash"])
 def case(request, ckpt_root):
-    """(model dir, prompts, greedy tokens of each prompt run alone)."""
+    """(arch, model dir, prompts, greedy tokens of each prompt alone, greedy tokens of the batch)."""
     model_dir = tiny_checkpoint(ckpt_root, request.param, 0, **OVERRIDES[request.param])
     prompts = [prompt_ids(model_dir, n, i) for i, n in enumerate(LENGTHS)]
-    llm = make_llm(model_dir)
-    alone = [_greedy(llm, [p])[0] for p in prompts]
-    batched = _greedy(llm, prompts)
-    _close(llm)
-    return model_dir, prompts, alone, batched
+    with engine(model_dir) as llm:
+        alone = [_greedy(llm, [p])[0] for p in prompts]
+        batched = _greedy(llm, prompts)
+    return request.param, model_dir, prompts, alone, batched
 
 
 def test_mixed_batch_matches_alone(case):
-    _, _, alone, batched = case
+    _, _, _, alone, batched = case
     assert batched == alone
 
 
 @pytest.mark.parametrize("chunk", [37, 200])
 def test_chunked_prefill_matches_alone(case, chunk):
-    model_dir, prompts, alone, _ = case
-    llm = make_llm(model_dir, max_num_batched_tokens=chunk, max_num_seqs=4, enable_chunked_prefill=True)
-    try:
+    _, model_dir, prompts, alone, _ = case
+    with engine(model_dir, max_num_batched_tokens=chunk, max_num_seqs=4, enable_chunked_prefill=True) as llm:
         assert _greedy(llm, prompts) == alone
-    finally:
-        _close(llm)
 
 
 def test_preemption_recompute_matches_alone(case):
-    """A KV pool too small for the whole batch forces the scheduler to preempt and recompute."""
-    model_dir, prompts, alone, _ = case
-    llm = make_llm(model_dir, num_gpu_blocks_override=PREEMPT_BLOCKS, max_num_seqs=5, max_model_len=1024,
-                   max_num_batched_tokens=128, enable_chunked_prefill=True)
-    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-    preemptions = []
-    original = scheduler._preempt_request
+    """A KV pool too small for six long decodes at once forces preemption and recompute.
 
-    def counting(request, *args, **kwargs):
-        preemptions.append(request.request_id)
-        return original(request, *args, **kwargs)
+    The pool holds every request alone (run one by one first, on the same engine); in the batch,
+    decodes that cross window-block boundaries need blocks that are not there, so the scheduler
+    preempts running requests and recomputes them later.
+    """
+    arch, model_dir = case[:2]
+    prompts = [prompt_ids(model_dir, 60 + 7 * i, i) for i in range(6)]
+    with engine(model_dir, num_gpu_blocks_override=PREEMPT_BLOCKS[arch], max_num_seqs=6, max_model_len=1024,
+                max_num_batched_tokens=128, enable_chunked_prefill=True) as llm:
+        alone = [_greedy(llm, [p], PREEMPT_NEW)[0] for p in prompts]
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        preempted = []
+        original = scheduler._preempt_request
 
-    scheduler._preempt_request = counting
-    try:
-        assert _greedy(llm, prompts) == alone
-    finally:
-        _close(llm)
-    assert preemptions, "the KV pool was large enough: no request was preempted"
+        def counting(request, *args, **kwargs):
+            preempted.append(request.request_id)
+            return original(request, *args, **kwargs)
+
+        scheduler._preempt_request = counting
+        assert _greedy(llm, prompts, PREEMPT_NEW) == alone
+    assert preempted, "the KV pool was large enough: no request was preempted"
