@@ -15,7 +15,11 @@ import pytest
 import torch
 
 from vllm_deepinfer.checkpoint import engram_hash, formats
-from vllm_deepinfer.checkpoint.inventory import InventoryError, expected_tensors, validate_inventory
+from vllm_deepinfer.checkpoint.inventory import (
+    InventoryError,
+    expected_tensors,
+    validate_inventory,
+)
 from vllm_deepinfer.config import ArchConfig
 from vllm_deepinfer.tools import make_checkpoint as mc
 
@@ -419,7 +423,10 @@ def test_vllm_parses_configs(ckpt_dirs):
 
 def test_engram_map_matches_vllm(ckpt_dirs):
     try:
-        from vllm.models.deepseek_v41.common.engram import build_compressed_token_map, compute_hash_multipliers
+        from vllm.models.deepseek_v41.common.engram import (
+            build_compressed_token_map,
+            compute_hash_multipliers,
+        )
     except Exception as e:  # pragma: no cover - depends on the vLLM build
         pytest.skip(f"vLLM engram module not importable: {e}")
     from transformers import AutoTokenizer

@@ -192,7 +192,9 @@ def _hf_cfg(**kw):
 
 
 def test_rope_tables_vs_hf():
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+        DeepseekV4RotaryEmbedding,
+    )
 
     rot = DeepseekV4RotaryEmbedding(_hf_cfg())
     yarn = {"factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32, "beta_slow": 1}
@@ -208,7 +210,9 @@ def test_rope_tables_vs_hf():
 
 
 def test_mhc_coefficients_vs_hf(dense):
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+        DeepseekV4HyperConnection,
+    )
 
     hc = DeepseekV4HyperConnection(_hf_cfg(hidden_size=dense.D, rms_norm_eps=dense.eps))
     Lw = dense.layers[3]
@@ -229,7 +233,9 @@ def test_mhc_coefficients_vs_hf(dense):
 
 
 def test_moe_vs_hf(dense):
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4SparseMoeBlock
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+        DeepseekV4SparseMoeBlock,
+    )
 
     cfg = _hf_cfg(hidden_size=dense.D, n_routed_experts=dense.E, num_experts_per_tok=dense.K,
                   moe_intermediate_size=dense.layers[0]["w1"].shape[1], rms_norm_eps=dense.eps,
@@ -253,8 +259,10 @@ def test_moe_vs_hf(dense):
 
 def _hf_attention_for(dense: DenseV41, l: int, layer_type: str, rate: int | None):
     """HF DeepseekV4Attention loaded with dense layer l's weights (no per-head q norm)."""
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import (DeepseekV4Attention,
-                                                                      DeepseekV4RotaryEmbedding)
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+        DeepseekV4Attention,
+        DeepseekV4RotaryEmbedding,
+    )
 
     ratio = {"sliding_attention": 0, "heavily_compressed_attention": 128}[layer_type]
     cfg = _hf_cfg(hidden_size=dense.D, num_attention_heads=dense.H, q_lora_rank=dense.Q,
@@ -322,9 +330,11 @@ def test_compressed_attention_layer_vs_hf(dense, layer):
 
 def test_indexer_scores_vs_hf_scorer(dense_k16):
     """Index scores = HF's lightning-indexer scorer on our index keys, with HF's RoPE on q."""
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import (DeepseekV4IndexerScorer,
-                                                                      DeepseekV4RotaryEmbedding,
-                                                                      apply_rotary_pos_emb)
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+        DeepseekV4IndexerScorer,
+        DeepseekV4RotaryEmbedding,
+        apply_rotary_pos_emb,
+    )
 
     m = dense_k16
     l = m.index_sources[-1]  # an index source that scores another layer's keys

@@ -17,7 +17,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -411,7 +410,10 @@ def test_concurrent_streams_with_aborts(server, model_name):
 def _stream_parse(tokenizer, text: str, thinking: bool, tools=TOOLS):
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-    from vllm_deepinfer.serving.parsers import DeepInferV41ReasoningParser, DeepInferV41ToolParser
+    from vllm_deepinfer.serving.parsers import (
+        DeepInferV41ReasoningParser,
+        DeepInferV41ToolParser,
+    )
 
     req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], tools=tools,
                                 chat_template_kwargs={"thinking": thinking})

@@ -6,11 +6,10 @@ inspection subprocess, the engine core and every worker, each a fresh spawned in
 
 from __future__ import annotations
 
-import logging
-
+from vllm_deepinfer.log import get_logger
 from vllm_deepinfer.registry import MODELS, plugin_disabled
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 _registered = False
 
 

@@ -467,7 +467,7 @@ class DenseV41:
         self.rope_main = _Rope(self.r, float(c.get("rope_theta", 10000.0)), None, dtype)
         self.rope_comp = _Rope(self.r, float(c["compress_rope_theta"]), yarn, dtype)
 
-        ck = self.ck = _Checkpoint(self.dir)
+        self.ck = _Checkpoint(self.dir)
         t = self._tensor
         self.embed = t("embed.weight")
         self.head = t("head.weight")

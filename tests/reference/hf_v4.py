@@ -152,7 +152,11 @@ class HFV4:
         ``accelerate`` package is installed, else the pre-dequantised copy; True/False force."""
         import tempfile
 
-        from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, FineGrainedFP8Config
+        from transformers import (
+            DeepseekV4Config,
+            DeepseekV4ForCausalLM,
+            FineGrainedFP8Config,
+        )
 
         self.dir = Path(ckpt_dir)
         self.dtype = dtype

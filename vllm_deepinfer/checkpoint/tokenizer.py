@@ -83,7 +83,15 @@ class TokenizerInfo:
 
 @functools.lru_cache(maxsize=4)
 def _build_json(vocab_total: int) -> str:
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     from ._corpus import corpus_lines
 

@@ -14,18 +14,21 @@ in `engram_layer_ids` first add their Engram value to the streams.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
-from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.layers.vocab_parallel_embedding import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+)
 
 from vllm_deepinfer import ops
 from vllm_deepinfer.attention.caches import PagedCache, cache_page_bytes
 from vllm_deepinfer.config import V4, V41, ArchConfig
+from vllm_deepinfer.log import get_logger
 from vllm_deepinfer.models.attention import Attention
 from vllm_deepinfer.models.engram import Engram, EngramHasher, write_token_history
 from vllm_deepinfer.models.layers import HyperConnection, RMSNorm, _param
@@ -34,7 +37,7 @@ from vllm_deepinfer.models.rope import RotaryTable
 from vllm_deepinfer.models.step import StepBatch
 from vllm_deepinfer.moe.layer import MoE
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 class HyperHead(nn.Module):
@@ -137,6 +140,8 @@ class DeepseekForCausalLM(nn.Module):
         self.arch = ArchConfig.from_hf(vllm_config.model_config.hf_config)
         if self.arch.family != self.family:
             raise ValueError(f"{type(self).__name__} runs {self.family} checkpoints, got a {self.arch.family} config")
+        logger.info("vllm-deepinfer plugin model %s (%s, %d layers, ops: %s)", type(self).__name__,
+                    self.arch.family, self.arch.num_layers, ops.backend_for(torch.empty(0, device=vllm_config.device_config.device)))
         self.model = DeepseekModel(vllm_config, self.arch, prefix="model")
         self.lm_head = ParallelLMHead(self.arch.vocab_size, self.arch.hidden_size, prefix="lm_head")
         self.logits_processor = LogitsProcessor(self.arch.vocab_size)

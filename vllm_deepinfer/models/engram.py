@@ -9,7 +9,6 @@ n-grams cross chunk and step boundaries.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import torch
@@ -23,8 +22,6 @@ from vllm_deepinfer.config import ArchConfig
 from vllm_deepinfer.models.layers import Linear, _param
 from vllm_deepinfer.models.step import RequestSpan, StepBatch
 from vllm_deepinfer.moe.layer import IMAGE_TOKEN_SPAN
-
-logger = logging.getLogger(__name__)
 
 
 class EngramHasher(nn.Module):

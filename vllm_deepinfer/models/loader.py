@@ -9,18 +9,22 @@ so the text model skips them with one log line.
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
-from vllm_deepinfer.checkpoint.formats import check_no_nan_codes, dequant_fp8_block, dequant_mxfp4
+from vllm_deepinfer.checkpoint.formats import (
+    check_no_nan_codes,
+    dequant_fp8_block,
+    dequant_mxfp4,
+)
 from vllm_deepinfer.checkpoint.inventory import InventoryError, validate_inventory
 from vllm_deepinfer.config import ArchConfig
+from vllm_deepinfer.log import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 SAFETENSORS_DTYPE = {
     torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16", torch.float8_e4m3fn: "F8_E4M3",

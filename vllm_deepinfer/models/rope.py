@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vllm_deepinfer.config import ArchConfig
 from vllm_deepinfer import ops
+from vllm_deepinfer.config import ArchConfig
 
 
 class RotaryTable(nn.Module):

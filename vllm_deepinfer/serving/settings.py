@@ -18,12 +18,13 @@ always accepted: it asks for what the plugin does anyway.
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from dataclasses import dataclass
 
-logger = logging.getLogger(__name__)
+from vllm_deepinfer.log import get_logger
+
+logger = get_logger(__name__)
 
 OFF_VALUES = {"", "0", "false", "no", "off", "none", "disabled"}
 

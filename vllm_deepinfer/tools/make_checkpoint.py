@@ -46,13 +46,19 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Iterable
 
 import torch
 
 from ..checkpoint import engram_hash
-from ..checkpoint.formats import (E8M0_DTYPE, FP8_DTYPE, check_no_nan_codes, quant_fp8_block, quant_fp8_rows,
-                                  quant_mxfp4)
+from ..checkpoint.formats import (
+    E8M0_DTYPE,
+    FP8_DTYPE,
+    check_no_nan_codes,
+    quant_fp8_block,
+    quant_fp8_rows,
+    quant_mxfp4,
+)
 from ..checkpoint.inventory import DTYPE_TO_TORCH, expected_tensors, validate_inventory
 from ..checkpoint.tokenizer import _TOKENIZER_VERSION, write_tokenizer
 from ..config import ArchConfig
