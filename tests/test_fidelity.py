@@ -19,8 +19,9 @@ identical unless the reference's own top-2 margin at that step is below NEAR_TIE
 
 bfloat16 engine vs the float32 reference: random tiny models amplify rounding, and transformers'
 own bf16 forward differs from its fp32 forward by up to 0.78 nats (mean 0.025 over the top-5 of a
-300-token prompt). Required: mean difference < BF16_MEAN_TOL and the same top-1 token at >= 90%
-of prompt positions.
+300-token prompt). Required: mean difference < BF16_MEAN_TOL, and the same top-1 token wherever the
+reference's top-1/top-2 margin exceeds BF16_MARGIN, above the 0.78-nat deviation of HF's own bf16 (closer
+calls flip under bf16 rounding: 16% of prompt positions for tiny V4.1, two of them with margins 0.66 and 0.85).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ FP32_TOL = 1e-3
 NEAR_TIE_TOL = 0.1
 NEAR_TIE_SHARE = 0.15
 BF16_MEAN_TOL = 0.1
+BF16_MARGIN = 1.0
 LENGTHS = (37, 300, 1000)
 N_NEW = 64
 K16_V4 = {"index_topk": 16}
@@ -93,10 +95,12 @@ def test_bfloat16_within_tolerance(ckpt_root, arch):
     with engine(model_dir, dtype="bfloat16") as llm:
         params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=5)
         out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
-    diffs, same_top1 = [], []
+    diffs, flips = [], []
     for i, top in enumerate(out.prompt_logprobs[1:]):
         diffs += [abs(lp.logprob - ref[i, tok].item()) for tok, lp in top.items()]
         ours_top1 = next(tok for tok, lp in top.items() if lp.rank == 1)
-        same_top1.append(ours_top1 == int(ref[i].argmax()))
+        best = ref[i].topk(2).values
+        if ours_top1 != int(ref[i].argmax()) and float(best[0] - best[1]) > BF16_MARGIN:
+            flips.append((i, float(best[0] - best[1])))
     assert sum(diffs) / len(diffs) < BF16_MEAN_TOL, sum(diffs) / len(diffs)
-    assert sum(same_top1) >= 0.9 * len(same_top1), sum(same_top1) / len(same_top1)
+    assert not flips, flips
