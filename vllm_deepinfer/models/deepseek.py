@@ -98,8 +98,12 @@ class DeepseekModel(nn.Module):
         self.history = self.hasher = None
         if arch.family == V41 and arch.engram_layer_ids:
             self.hasher = EngramHasher(arch, vllm_config.model_config.tokenizer)
-            self.history = PagedCache(f"{prefix}.layers.{arch.engram_layer_ids[0]}.engram.history_cache", 1,
-                                      torch.int32, page_bytes, window=arch.engram_max_ngram_size)
+            # A history row is padded to the window-KV row size, so its blocks hold as many tokens as a
+            # window block: the scheduler's block size (LCM of all groups), which is also where prefix-cache
+            # hits land, stays small. The window is max_ngram tokens, so this costs a block per request.
+            self.history = PagedCache(f"{prefix}.layers.{arch.engram_layer_ids[0]}.engram.history_cache",
+                                      arch.head_dim * dtype.itemsize // torch.int32.itemsize, torch.int32,
+                                      page_bytes, window=arch.engram_max_ngram_size)
         self.layers = nn.ModuleList(
             DecoderLayer(arch, l, self.ropes, f"{prefix}.layers.{l}", page_bytes, self.hasher, self.history)
             for l in range(arch.num_layers))

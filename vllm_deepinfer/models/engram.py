@@ -58,6 +58,8 @@ class EngramHasher(nn.Module):
         history_valid: same shape, False before the sequence start. Returns [n, (max_ngram-1) * n_heads].
         """
         k = self.max_ngram
+        if self.token_map.device != history.device:  # held outside the module tree (shared by layers): follow the input
+            self.to(history.device)
         ids = self.token_map[history.long().clamp(min=0)]
         is_image = (history >= self.image_token_id) & (history < self.image_token_id + IMAGE_TOKEN_SPAN)
         dead = ~history_valid | (is_image if self.image_token_id >= 0 else torch.zeros_like(is_image))
@@ -116,7 +118,7 @@ class Engram(nn.Module):
         pos = span.pos(batch.positions.device, before=k - 1)
         valid = pos >= 0
         meta = batch.meta(self.history)
-        ids = self.history.read(meta, span.req, pos.clamp(min=0)).view(-1)
+        ids = self.history.read(meta, span.req, pos.clamp(min=0))[:, 0]
         return torch.where(valid, ids, 0), valid
 
 
@@ -140,4 +142,5 @@ def write_token_history(history: PagedCache, batch: StepBatch) -> None:
         return
     for span in batch:
         pos = span.pos(batch.positions.device)
-        history.write(batch.meta(history), span.req, pos, batch.token_ids[span.start:span.end].view(-1, 1))
+        ids = batch.token_ids[span.start:span.end].view(-1, 1).expand(-1, history.width)
+        history.write(batch.meta(history), span.req, pos, ids)
