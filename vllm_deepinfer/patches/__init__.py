@@ -26,3 +26,4 @@ def apply_all() -> None:
     importlib.import_module("vllm_deepinfer.patches.cpu_dist_version").apply()
     importlib.import_module("vllm_deepinfer.patches.so_args_request").apply()
     importlib.import_module("vllm_deepinfer.patches.empty_messages").apply()
+    importlib.import_module("vllm_deepinfer.patches.xgrammar_token_cache").apply()
