@@ -29,7 +29,9 @@ class EngramHasher(nn.Module):
 
     def __init__(self, arch: ArchConfig, tokenizer_dir: str | Path):
         super().__init__()
+        # from_numpy ignores the default device that vLLM builds the model under; place the map there.
         token_map = torch.from_numpy(engram_hash.compressed_token_map(str(tokenizer_dir))).long()
+        token_map = token_map.to(torch.get_default_device())
         n_compressed = int(token_map.max()) + 1
         if n_compressed != arch.engram_compressed_vocab_size:
             raise ValueError(f"config field 'engram_compressed_vocab_size' is {arch.engram_compressed_vocab_size}, "
@@ -58,8 +60,6 @@ class EngramHasher(nn.Module):
         history_valid: same shape, False before the sequence start. Returns [n, (max_ngram-1) * n_heads].
         """
         k = self.max_ngram
-        if self.token_map.device != history.device:  # held outside the module tree (shared by layers): follow the input
-            self.to(history.device)
         ids = self.token_map[history.long().clamp(min=0)]
         is_image = (history >= self.image_token_id) & (history < self.image_token_id + IMAGE_TOKEN_SPAN)
         dead = ~history_valid | (is_image if self.image_token_id >= 0 else torch.zeros_like(is_image))
