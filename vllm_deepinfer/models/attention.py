@@ -69,7 +69,7 @@ class Attention(nn.Module):
             selected = self.indexer(x, cq, batch)
         elif self.plan.index_source is not None:
             selected = batch.topk[self.plan.index_source]
-        out = torch.empty_like(q)
+        out = torch.zeros_like(q)  # rows outside every span (padding) stay defined
         for span in batch:
             out[span.start:span.end] = self._attend(q[span.start:span.end], kv[span.start:span.end], span,
                                                     batch, None if selected is None else selected[span.start:span.end])
