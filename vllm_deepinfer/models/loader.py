@@ -20,16 +20,12 @@ from vllm_deepinfer.checkpoint.formats import (
     dequant_fp8_block,
     dequant_mxfp4,
 )
-from vllm_deepinfer.checkpoint.inventory import InventoryError, validate_inventory
+from vllm_deepinfer.checkpoint.inventory import TORCH_TO_DTYPE, InventoryError, validate_inventory
 from vllm_deepinfer.config import ArchConfig
 from vllm_deepinfer.log import get_logger
 
 logger = get_logger(__name__)
 
-SAFETENSORS_DTYPE = {
-    torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16", torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e8m0fnu: "F8_E8M0", torch.int8: "I8", torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8",
-}
 DRAFT_PREFIX = "mtp."
 VISION_PREFIXES = ("vision.", "aligner.", "image_")
 _EXPERT = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")
@@ -62,7 +58,7 @@ def load_checkpoint(model: nn.Module, arch: ArchConfig, weights: Iterable[tuple[
     found: dict[str, tuple[str, tuple[int, ...]]] = {}
     skipped = {"draft": 0, "vision": 0}
     for name, t in weights:
-        found[name] = (SAFETENSORS_DTYPE.get(t.dtype, str(t.dtype)), tuple(t.shape))
+        found[name] = (TORCH_TO_DTYPE.get(t.dtype, str(t.dtype)), tuple(t.shape))
         if name.startswith(DRAFT_PREFIX):
             skipped["draft"] += 1
         elif name.startswith(VISION_PREFIXES):
