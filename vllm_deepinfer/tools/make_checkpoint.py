@@ -2,7 +2,7 @@
 
 CLI::
 
-    python -m vllm_deepinfer.tools.make_checkpoint --arch {v4.1-flash,v4-flash} --preset {tiny,full-width} \
+    python -m vllm_deepinfer.tools.make_checkpoint --arch {v4.1-flash,v4-flash} --preset {tiny,full-width,tiny-gpu} \
         [--layers N] [--seed S] --out DIR [--index-topk K] [--fast] [--config FILE] [--set KEY=JSON ...] \
         [--no-vision] [--max-shard-mb MB] [--no-progress] [--skip-checks]
 
@@ -29,6 +29,8 @@ Presets (templates in ``configs/``):
   Markov rank, vision width) with reduced depth and counts to keep the files around 1-3 GB: 4 backbone layers,
   8 routed experts (top-6; V4.1 drafter 4 experts top-3), Engram ``engram_vocab_size`` 1000, 2 vision blocks,
   and the 8192-token synthetic vocabulary.
+* ``tiny-gpu``: the ``tiny`` layer plans with the smallest widths vLLM's in-tree NVIDIA SM90 path accepts
+  (hidden 256, index heads 32, V4.1 expert width 128; see NOTES.md "In-tree NVIDIA minimum dims").
 
 ``--layers N`` keeps the layer pattern (see `v4_layer_plan` / `v41_layer_plan`); for the default depth the
 template's plan is used verbatim.
@@ -70,7 +72,7 @@ __all__ = ["GENERATOR_VERSION", "make_checkpoint", "build_config", "ensure_demo_
 GENERATOR_VERSION = "1"
 
 ARCHS = {"v4-flash": "v4", "v4.1-flash": "v41"}
-PRESETS = ("tiny", "full-width")
+PRESETS = ("tiny", "full-width", "tiny-gpu")
 MARKER = ".deepinfer_checkpoint.json"
 _DTYPE_BYTES = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "I64": 8}
 
