@@ -29,7 +29,9 @@ F="python3 benchmarks/gpu_vllm_fidelity.py run --prompts $W/prompts.json --kv-by
 
 start_intree() {  # arch
   echo "== $(date +%T) t=$((SECONDS - T0)) intree $1 start (limit $(($(left) - 12)) s)" | tee -a "$OUT/intree.log"
-  timeout -k 5 $(($(left) - 12)) $F --impl intree --ckpt $W/ckpt-$1 --out "$OUT/intree_$1.json" >>"$OUT/intree.log" 2>&1 &
+  # V4.1: text-only, since vLLM's in-tree multimodal path hard-codes the release image id 129264.
+  local extra=""; [ "$1" = v41 ] && extra="--text-only"
+  timeout -k 5 $(($(left) - 12)) $F --impl intree $extra --ckpt $W/ckpt-$1 --out "$OUT/intree_$1.json" >>"$OUT/intree.log" 2>&1 &
 }
 run_ours() {  # arch dtype name
   [ "$(left)" -lt 60 ] && { echo "skip ours $1 $2: $(left) s left"; return; }
