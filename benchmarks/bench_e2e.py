@@ -1,0 +1,390 @@
+"""End-to-end throughput in vLLM: the DeepInfer plugin ("ours") vs vLLM's in-tree DeepSeek-V4.1 / V4 ("intree").
+
+GPU command (one H200, vLLM 0.32 + plugin staged as in NOTES.md "Hopper GPU path ... plugin vs in-tree fidelity";
+about 10 min wall with two cold engine starts; lower --timeout if the device call has less left):
+
+    python3 benchmarks/bench_e2e.py --out $OUT/bench_e2e --timeout 270 --profile
+
+  = full-width V4.1-Flash config (4 layers, release widths, 8192-token synthetic vocabulary) with dummy weights,
+    bf16, CUDA-graph capture sizes 1,16,64,256, fixed 24 GiB KV cache, prefix caching off; each implementation in
+    its own subprocess, one after the other (never two engines at once while timing); in-tree with
+    DEEPINFER_DISABLE=1. Eager instead: add --enforce-eager. One side only: --only ours|intree.
+
+CPU smoke test (no GPU; the plugin only, tiny preset, small sizes; ~1-2 min):
+
+    python benchmarks/bench_e2e.py --device-smoke --only ours --profile --out /tmp/bench_e2e_smoke
+
+What is measured (warm-up runs excluded; median of --reps timed runs, each with fresh random prompt ids):
+  prefill   for each N in --prefill-tokens: N // P prompts of P = min(N, --prompt-len) random token ids, submitted
+            as one `llm.generate` with max_tokens=1 (engine token budget max_num_batched_tokens = max N, so one
+            scheduler step). Reported: uncached input tok/s = N / wall time of the call.
+  decode    for each B in --decode-batches: B prompts of --decode-prompt-len ids; time T(max_tokens=D) and
+            T(max_tokens=1) with the same batch shape; output tok/s = B * (D - 1) / (T(D) - T(1)), i.e. the
+            prefill (and first token) is subtracted. Also reported: the plain B * D / T(D).
+  profile   (--profile; the plugin only) torch.profiler around one prefill call (the middle N) and one decode call
+            (the largest B, D tokens); the top ops by device time (CPU time on CPU) are printed and saved. The
+            engine then runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the profiler sees the model; with
+            --profile both implementations run in-process so their timings stay comparable.
+
+Output: a table (ours, intree, ratio ours/intree) on stdout, `results.json` + one `<impl>.json` and `<impl>.log`
+per implementation under --out (default $OUT/bench_e2e, else ./bench_e2e_out). The model directory (config.json,
+generation_config.json, tokenizer; no weights) is written once under --out/model-<arch>-<preset> from
+`vllm_deepinfer.tools.make_checkpoint.build_config` + `checkpoint.tokenizer.write_tokenizer`, or given with --model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in str(s).split(",") if x.strip()]
+
+
+def _dump(path: Path, obj) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+# ============================================================================ model directory (no weights)
+def write_model_dir(arch: str, preset: str, out: Path, layers: int | None = None, overrides: dict | None = None) -> Path:
+    """config.json + generation_config.json + tokenizer files exactly as make_checkpoint writes them, no tensors."""
+    from vllm_deepinfer.checkpoint import engram_hash
+    from vllm_deepinfer.checkpoint.tokenizer import write_tokenizer
+    from vllm_deepinfer.tools.make_checkpoint import (
+        _family,
+        _generation_config,
+        build_config,
+    )
+
+    fam = _family(arch)
+    out.mkdir(parents=True, exist_ok=True)
+    info = write_tokenizer(out, fam)
+    cfg = build_config(arch, preset, layers, tokenizer_info=info, overrides=overrides)
+    if fam == "v41" and cfg["text_config"].get("engram_layer_ids"):
+        from tokenizers import Tokenizer
+
+        cvs = engram_hash.compressed_vocab_size(Tokenizer.from_file(str(out / "tokenizer.json")))
+        cfg = build_config(arch, preset, layers, tokenizer_info=info, compressed_vocab=cvs, overrides=overrides)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+    (out / "generation_config.json").write_text(json.dumps(_generation_config(), indent=2) + "\n")
+    return out
+
+
+def _parse_set(items):
+    from vllm_deepinfer.tools.make_checkpoint import _parse_set as parse
+
+    return parse(items) if items else None
+
+
+# ============================================================================ worker (one engine, one process)
+def worker(a) -> None:
+    if a.impl == "intree":
+        os.environ["DEEPINFER_DISABLE"] = "1"
+    else:
+        os.environ.pop("DEEPINFER_DISABLE", None)
+    if a.inproc:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    t0 = time.time()
+    import torch
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prefill_ns, decode_bs = _ints(a.prefill_tokens), _ints(a.decode_batches)
+    res = {"impl": a.impl, "model": a.model, "dtype": a.dtype, "vllm": vllm.__version__, "torch": torch.__version__,
+           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+           "env": {k: v for k, v in os.environ.items() if k.startswith(("DEEPINFER", "VLLM_", "KERNELS_"))},
+           "prefill": {}, "decode": {}}
+    out = Path(a.result)
+    max_seqs = max(decode_bs + [max(1, n // min(n, a.prompt_len)) for n in prefill_ns])
+    budget = max(prefill_ns + [a.decode_prompt_len])
+    kwargs = dict(model=a.model, load_format="dummy", dtype=a.dtype, enforce_eager=a.enforce_eager,
+                  max_model_len=a.max_model_len, max_num_batched_tokens=budget, max_num_seqs=max_seqs, seed=0,
+                  enable_prefix_caching=False, gpu_memory_utilization=a.gpu_mem, trust_remote_code=False,
+                  limit_mm_per_prompt={"image": 0})  # text only: vLLM's V4.1 mm profiling hard-codes id 129264
+    if a.kv_gib:
+        kwargs["kv_cache_memory_bytes"] = int(a.kv_gib * 2**30)
+    if a.no_jit_warmup:
+        kwargs["kernel_config"] = {"enable_jit_warmup": False, "enable_flashinfer_autotune": False}
+    if not a.enforce_eager:
+        cc = {"cudagraph_capture_sizes": _ints(a.cudagraph_sizes)}
+        if a.cudagraph_mode:
+            cc["cudagraph_mode"] = a.cudagraph_mode
+        kwargs["compilation_config"] = cc
+    res["llm_kwargs"] = kwargs
+    _dump(out, res)
+    print(f"[{a.impl}] starting LLM {kwargs}", flush=True)
+    llm = LLM(**kwargs)
+    mc = llm.llm_engine.model_config
+    res["architecture"] = getattr(mc, "architecture", None)
+    try:
+        from vllm.model_executor.models.registry import ModelRegistry
+        res["model_class"] = str(ModelRegistry._try_load_model_cls(mc.architecture))
+    except Exception as e:  # noqa: BLE001
+        res["model_class"] = f"? {e!r}"
+    try:
+        res["cudagraph_mode"] = str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode)
+    except Exception:  # noqa: BLE001
+        pass
+    res["startup_s"] = round(time.time() - t0, 1)
+    print(f"[{a.impl}] engine up in {res['startup_s']} s; {res['architecture']} -> {res['model_class']}; "
+          f"cudagraph_mode {res.get('cudagraph_mode')}", flush=True)
+    _dump(out, res)
+
+    vocab = int(mc.get_vocab_size())
+    gen = torch.Generator().manual_seed(1234)
+    lo = min(1000, vocab // 4)  # stay clear of the special ids at the start of the synthetic vocabulary
+
+    def prompts(n_req: int, length: int):
+        ids = torch.randint(lo, vocab - 16, (n_req, length), generator=gen).tolist()
+        return [TokensPrompt(prompt_token_ids=x) for x in ids]
+
+    def timed(n_req: int, length: int, max_tokens: int) -> float:
+        ps = prompts(n_req, length)
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        sync()
+        t = time.perf_counter()
+        outs = llm.generate(ps, sp, use_tqdm=False)
+        sync()
+        dt = time.perf_counter() - t
+        got = sum(len(o.outputs[0].token_ids) for o in outs)
+        assert got == n_req * max_tokens, (got, n_req, max_tokens)
+        return dt
+
+    def sync():
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def measure(n_req, length, max_tokens) -> list[float]:
+        for _ in range(a.warmup):
+            timed(n_req, length, max_tokens)
+        return [timed(n_req, length, max_tokens) for _ in range(a.reps)]
+
+    for n in prefill_ns:
+        p = min(n, a.prompt_len)
+        k = max(1, n // p)
+        ts = measure(k, p, 1)
+        med = statistics.median(ts)
+        res["prefill"][str(n)] = {"requests": k, "prompt_len": p, "tokens": k * p, "times_s": ts,
+                                  "tok_s": k * p / med}
+        print(f"[{a.impl}] prefill {k}x{p} tokens: median {med * 1e3:.1f} ms -> {k * p / med:,.0f} input tok/s",
+              flush=True)
+        _dump(out, res)
+    D = a.decode_tokens
+    for b in decode_bs:
+        t1 = measure(b, a.decode_prompt_len, 1)
+        tD = measure(b, a.decode_prompt_len, D)
+        m1, mD = statistics.median(t1), statistics.median(tD)
+        dec = b * (D - 1) / (mD - m1) if mD > m1 else float("nan")
+        res["decode"][str(b)] = {"batch": b, "prompt_len": a.decode_prompt_len, "max_tokens": D,
+                                 "times_1_s": t1, "times_D_s": tD, "tok_s": dec, "tok_s_incl_prefill": b * D / mD,
+                                 "step_ms": (mD - m1) / (D - 1) * 1e3}
+        print(f"[{a.impl}] decode batch {b}: T(1) {m1 * 1e3:.1f} ms, T({D}) {mD * 1e3:.1f} ms -> "
+              f"{dec:,.1f} output tok/s ({(mD - m1) / (D - 1) * 1e3:.2f} ms/step)", flush=True)
+        _dump(out, res)
+
+    if a.profile and a.impl == "ours":
+        res["profile"] = profile(a, timed, prefill_ns, decode_bs)
+    res["total_s"] = round(time.time() - t0, 1)
+    _dump(out, res)
+    print(f"[{a.impl}] done in {res['total_s']} s", flush=True)
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def profile(a, timed, prefill_ns, decode_bs) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
+
+    cuda = torch.cuda.is_available()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    n = prefill_ns[len(prefill_ns) // 2]
+    p = min(n, a.prompt_len)
+    cases = {f"prefill_{max(1, n // p)}x{p}": (max(1, n // p), p, 1),
+             f"decode_b{max(decode_bs)}_{a.decode_tokens}tok": (max(decode_bs), a.decode_prompt_len, a.decode_tokens)}
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    out = {}
+    for name, (k, length, mt) in cases.items():
+        timed(k, length, mt)  # warm
+        with tprofile(activities=acts) as prof:
+            timed(k, length, mt)
+        avgs = prof.key_averages()
+        attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+        total = sum(getattr(e, attr, 0) for e in avgs) or 1
+        rows = sorted(avgs, key=lambda e: getattr(e, attr, 0), reverse=True)[: a.profile_top]
+        out[name] = {"total_us": total, "sort": attr, "top": [
+            {"op": e.key, "self_us": getattr(e, attr, 0), "pct": 100.0 * getattr(e, attr, 0) / total,
+             "calls": e.count} for e in rows]}
+        print(f"\n[ours] profile {name}: top {a.profile_top} ops by {attr} (total {total / 1e3:.1f} ms)", flush=True)
+        try:
+            print(avgs.table(sort_by=key, row_limit=a.profile_top, max_name_column_width=60), flush=True)
+        except Exception:  # noqa: BLE001  (older/newer key names)
+            for r in out[name]["top"]:
+                print(f"  {r['self_us'] / 1e3:9.2f} ms {r['pct']:5.1f}%  x{r['calls']:<6} {r['op'][:80]}")
+        if a.trace_dir:
+            Path(a.trace_dir).mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(str(Path(a.trace_dir) / f"ours_{name}.json"))
+    return out
+
+
+# ============================================================================ driver
+def table(results: dict, impls: list[str]) -> str:
+    rows = []
+    head = "| phase | size | " + " | ".join(impls) + (" | ours/intree |" if len(impls) == 2 else " |")
+    rows += [head, "|" + "---|" * (head.count("|") - 1)]
+
+    def line(label, size, key, sub, unit):
+        vals = [results.get(i, {}).get(key, {}).get(size, {}).get(sub) for i in impls]
+        cells = [f"{v:,.0f}" if isinstance(v, (int, float)) and math.isfinite(v) else "–" for v in vals]
+        ratio = ""
+        if len(impls) == 2:
+            o, t = (results.get("ours", {}).get(key, {}).get(size, {}).get(sub),
+                    results.get("intree", {}).get(key, {}).get(size, {}).get(sub))
+            ratio = f" {o / t:.2f} |" if o and t and math.isfinite(o / t) else " – |"
+        rows.append(f"| {label} | {size} {unit} | " + " | ".join(cells) + (" |" + ratio if ratio else " |"))
+
+    sizes_p = sorted({s for i in impls for s in results.get(i, {}).get("prefill", {})}, key=int)
+    sizes_d = sorted({s for i in impls for s in results.get(i, {}).get("decode", {})}, key=int)
+    for s in sizes_p:
+        line("prefill input tok/s", s, "prefill", "tok_s", "tok/step")
+    for s in sizes_d:
+        line("decode output tok/s", s, "decode", "tok_s", "seqs")
+    return "\n".join(rows)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--arch", default="v4.1-flash", help="v4.1-flash | v4-flash")
+    p.add_argument("--preset", default="full-width", help="make_checkpoint preset (full-width | tiny)")
+    p.add_argument("--layers", type=int, default=None, help="backbone layers (default: the preset's)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=JSON",
+                   help="config override as in make_checkpoint --set (repeatable)")
+    p.add_argument("--model", default=None, help="existing model dir (config + tokenizer); default: written")
+    p.add_argument("--only", choices=["ours", "intree"], default=None)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--cudagraph-sizes", default="1,16,64,256")
+    p.add_argument("--cudagraph-mode", default=None, help="e.g. FULL_DECODE_ONLY, PIECEWISE (default: vLLM's)")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--prefill-tokens", default="1024,4096,16384", help="tokens per prefill step")
+    p.add_argument("--prompt-len", type=int, default=1024, help="prefill prompt length (N // len prompts)")
+    p.add_argument("--decode-batches", default="1,16,64,256")
+    p.add_argument("--decode-prompt-len", type=int, default=128)
+    p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--kv-gib", type=float, default=24.0, help="fixed KV cache GiB (0: vLLM's memory profiling)")
+    p.add_argument("--gpu-mem", type=float, default=0.85)
+    p.add_argument("--no-jit-warmup", action="store_true", help="kernel_config: no JIT warm-up / FlashInfer autotune")
+    p.add_argument("--profile", action="store_true", help="torch.profiler top ops for ours (runs engines in-process)")
+    p.add_argument("--profile-top", type=int, default=25)
+    p.add_argument("--inproc", action="store_true", help="VLLM_ENABLE_V1_MULTIPROCESSING=0 (implied by --profile)")
+    p.add_argument("--timeout", type=int, default=900, help="seconds per implementation subprocess")
+    p.add_argument("--device-smoke", action="store_true",
+                   help="CPU smoke test: tiny preset, float32, eager, small sizes")
+    p.add_argument("--out", default=None)
+    # worker-only
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--impl", choices=["ours", "intree"], help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--trace-dir", default=None, help="also export chrome traces of the profiled calls here")
+    a = p.parse_args(argv)
+
+    if a.device_smoke:
+        a.preset, a.dtype, a.enforce_eager = "tiny", "float32", True
+        a.prefill_tokens, a.prompt_len, a.decode_batches = "64,256", 64, "1,4"
+        a.decode_prompt_len, a.decode_tokens, a.max_model_len = 32, 8, 512
+        a.kv_gib, a.gpu_mem, a.profile_top = 0.0, 0.2, 12
+        a.inproc = True  # engine start ~5 s instead of ~80 s on CPU
+    if a.profile:
+        a.inproc = True
+    if a.worker:
+        worker(a)
+        return 0
+
+    out = Path(a.out or (Path(os.environ["OUT"]) / "bench_e2e" if os.environ.get("OUT") else "bench_e2e_out"))
+    out.mkdir(parents=True, exist_ok=True)
+    model = Path(a.model) if a.model else write_model_dir(a.arch, a.preset, out / f"model-{a.arch}-{a.preset}",
+                                                          a.layers, _parse_set(a.overrides))
+    print(f"model dir {model} (config + tokenizer, dummy weights)", flush=True)
+    impls = [a.only] if a.only else ["ours", "intree"]
+    fwd = list(argv if argv is not None else sys.argv[1:])
+    skip = {"--only", "--out", "--model", "--timeout", "--set"}
+    passthru, i = [], 0
+    while i < len(fwd):
+        x = fwd[i]
+        if x.split("=")[0] in skip:
+            i += 1 if "=" in x else 2
+            continue
+        passthru.append(x)
+        i += 1
+    results = {}
+    for impl in impls:
+        rpath, log = out / f"{impl}.json", out / f"{impl}.log"
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if impl == "intree":
+            env["DEEPINFER_DISABLE"] = "1"
+        else:
+            env.pop("DEEPINFER_DISABLE", None)
+        cmd = [sys.executable, str(HERE), "--worker", "--impl", impl, "--model", str(model), "--result", str(rpath),
+               *passthru]
+        print(f"== {time.strftime('%T')} {impl}: {' '.join(cmd)}  (log {log}, limit {a.timeout} s)", flush=True)
+        t = time.time()
+        with open(log, "w") as f:
+            try:
+                rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=a.timeout,
+                                    check=False).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        print(f"== {impl}: rc={rc} in {time.time() - t:.0f} s", flush=True)
+        if rpath.exists():
+            results[impl] = json.loads(rpath.read_text())
+            results[impl]["rc"] = rc
+        text = log.read_text(errors="replace").splitlines()
+        for ln in text:
+            if ln.startswith(f"[{impl}]"):
+                print("  " + ln)
+        if rc != 0:
+            print("  --- log tail ---\n  " + "\n  ".join(text[-25:]))
+        elif a.profile and impl == "ours":
+            keep, on = [], False
+            for ln in text:
+                on = on or ln.startswith("[ours] profile")
+                if on and not ln.startswith("[ours] done"):
+                    keep.append(ln)
+            print("\n".join(keep))
+    tbl = table(results, impls)
+    print("\n" + tbl)
+    summary = {"args": {k: v for k, v in vars(a).items() if k not in ("worker", "impl", "result")},
+               "model_dir": str(model), "table": tbl,
+               "ratio_ours_over_intree": {}, "results": results}
+    if len(impls) == 2 and "ours" in results and "intree" in results:
+        for ph in ("prefill", "decode"):
+            for s, r in results["ours"].get(ph, {}).items():
+                t = results["intree"].get(ph, {}).get(s)
+                if t and t.get("tok_s") and math.isfinite(r.get("tok_s") or math.nan):
+                    summary["ratio_ours_over_intree"][f"{ph}_{s}"] = r["tok_s"] / t["tok_s"]
+    _dump(out / "results.json", summary)
+    print(f"\nresults: {out / 'results.json'}")
+    return 0 if all(results.get(i, {}).get("rc") == 0 for i in impls) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
