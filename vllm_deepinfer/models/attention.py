@@ -88,25 +88,29 @@ class Attention(nn.Module):
 
     def _attend(self, q: torch.Tensor, kv: torch.Tensor, span: RequestSpan, batch: StepBatch,
                 selected: torch.Tensor | None) -> torch.Tensor:
-        """Attention of one request's queries q [n, H, d] over its window and compressed rows."""
+        """Attention of one request's queries q [n, H, d] over its window and compressed rows.
+
+        Keys are the request's window rows (positions lo..last) followed by its compressed rows;
+        each query gets the ids of its own keys: its last W positions and its selected (or, for
+        HCA, all visible) compressed rows.
+        """
         meta = batch.meta(self.window_cache)
-        pos = span.pos(q.device)
+        dev = q.device
+        pos = span.pos(dev)
         self.window_cache.write(meta, span.req, pos, kv)
         lo = max(0, span.first_pos - self.window + 1)
-        key_pos = torch.arange(lo, int(pos[-1]) + 1, device=q.device)
-        keys = [self.window_cache.read(meta, span.req, key_pos)]
-        dist = pos.unsqueeze(1) - key_pos.unsqueeze(0)
-        allowed = [(dist >= 0) & (dist < self.window)]
+        rows = [self.window_cache.read(meta, span.req, torch.arange(lo, int(pos[-1]) + 1, device=dev))]
+        window = pos.unsqueeze(1) - self.window + 1 + torch.arange(self.window, device=dev)   # [n, W]
+        ids = [torch.where(window >= lo, window - lo, -1)]
         if self.plan.ratio > 0:
             n_visible = (pos + 1) // self.plan.ratio
             n_rows = int(n_visible.max())
             if n_rows > 0:
-                rows = torch.arange(n_rows, device=q.device)
-                keys.append(self.kv_source.read(batch.meta(self.kv_source), span.req, rows))
+                offset = rows[0].shape[0]
+                rows.append(self.kv_source.read(batch.meta(self.kv_source), span.req,
+                                                torch.arange(n_rows, device=dev)))
                 if selected is None:  # HCA: every visible row
-                    allowed.append(rows.unsqueeze(0) < n_visible.unsqueeze(1))
-                else:
-                    mask = torch.zeros(q.shape[0], n_rows + 1, dtype=torch.bool, device=q.device)
-                    mask.scatter_(1, torch.where(selected >= 0, selected, n_rows).clamp(max=n_rows), True)
-                    allowed.append(mask[:, :n_rows] & (rows.unsqueeze(0) < n_visible.unsqueeze(1)))
-        return ops.sparse_attention(q, torch.cat(keys), torch.cat(allowed, dim=1), self.attn_sink, self.scale)
+                    every = torch.arange(n_rows, device=dev).expand(q.shape[0], -1)
+                    selected = torch.where(every < n_visible.unsqueeze(1), every, -1)
+                ids.append(torch.where(selected >= 0, selected + offset, -1))
+        return ops.sparse_attention_indexed(q, torch.cat(rows), torch.cat(ids, dim=1), self.attn_sink, self.scale)

@@ -183,13 +183,10 @@ def sparse_attention_indexed(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tenso
                              scale: float) -> torch.Tensor:
     """Gather form of `sparse_attention`: each query attends to its own rows kv[idx[t, j]].
 
-    q: [T, H, d]; kv: [R, d] (K = V); idx: [T, K] row ids, -1 = none (ids of a row should be distinct:
-    a repeated id counts twice); sink: [H]. Returns [T, H, d].
+    q: [T, H, d]; kv: [R, d] (K = V); idx: [T, K] distinct row ids, -1 = none; sink: [H] -> [T, H, d].
+    Computed here as masked attention over all R rows (the same sum; shared keys keep it one GEMM
+    on CPU); device kernels gather the K rows instead.
     """
-    valid = idx >= 0
-    keys = kv[idx.clamp(min=0).long()].float()                                   # [T, K, d]
-    scores = torch.einsum("thd,tkd->thk", q.float(), keys) * scale
-    scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
-    sink_col = sink.float().view(1, -1, 1).expand(scores.shape[0], -1, 1)
-    probs = torch.softmax(torch.cat((scores, sink_col), dim=-1), dim=-1)[..., :-1]
-    return torch.einsum("thk,tkd->thd", probs, keys).to(q.dtype)
+    allowed = torch.zeros(idx.shape[0], kv.shape[0] + 1, dtype=torch.bool, device=idx.device)
+    allowed.scatter_(1, torch.where(idx >= 0, idx, kv.shape[0]).long(), True)
+    return sparse_attention(q, kv, allowed[:, :-1], sink, scale)
