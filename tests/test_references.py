@@ -9,33 +9,24 @@
   logits equal), selection paths exercised (k16 variant of §8.5), HF cache vs full
   recompute, HF's dequantised weights equal to ours.
 
-Checkpoints come from the project's generator
-(``python -m vllm_deepinfer.tools.make_checkpoint --arch ... --preset tiny``); the
-tests that need them are skipped while it is unavailable.  ``REF_CKPT_V41`` /
-``REF_CKPT_V4`` may point at existing tiny checkpoint directories instead.
+Checkpoints come from the project's generator through the shared session fixture
+(``tests/conftest.py: tiny_checkpoint``).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import random
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # `pytest` without `python -m`: make `tests.reference` importable
-    sys.path.insert(0, str(REPO))
-
-from tests.reference import dense_v41 as dv  # noqa: E402
-from tests.reference.dense_v41 import DenseV41  # noqa: E402
+from tests.conftest import tiny_checkpoint
+from tests.reference import dense_v41 as dv
+from tests.reference.dense_v41 import DenseV41
 
 
 # --------------------------------------------------------------------------- fixtures
@@ -49,51 +40,20 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
-def _generate(arch: str, out: Path, seed: int = 0) -> Path:
-    env_key = {"v4.1-flash": "REF_CKPT_V41", "v4-flash": "REF_CKPT_V4"}[arch]
-    if os.environ.get(env_key):
-        src = Path(os.environ[env_key])
-        shutil.copytree(src, out)
-        return out
-    cmd = [sys.executable, "-m", "vllm_deepinfer.tools.make_checkpoint", "--arch", arch,
-           "--preset", "tiny", "--seed", str(seed), "--out", str(out)]
-    try:
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"checkpoint generator timed out: {' '.join(cmd)}")
-    if res.returncode != 0:
-        if "No module named" in res.stderr and "make_checkpoint" in res.stderr:
-            pytest.skip("checkpoint generator vllm_deepinfer.tools.make_checkpoint not available")
-        pytest.fail(f"checkpoint generator failed ({res.returncode}):\n{res.stderr[-3000:]}")
-    return out
-
-
-def _variant(src: Path, dst: Path, **text_overrides) -> Path:
-    shutil.copytree(src, dst)
-    cfg_path = dst / "config.json"
-    cfg = json.loads(cfg_path.read_text())
-    target = cfg.get("text_config", cfg)
-    target.update(text_overrides)
-    cfg_path.write_text(json.dumps(cfg, indent=2))
-    return dst
+@pytest.fixture(scope="session")
+def v41_dir(ckpt_root) -> Path:
+    return tiny_checkpoint(ckpt_root, "v4.1-flash", 0)
 
 
 @pytest.fixture(scope="session")
-def v41_dir(tmp_path_factory) -> Path:
-    return _generate("v4.1-flash", tmp_path_factory.mktemp("ref") / "tiny-v41")
-
-
-@pytest.fixture(scope="session")
-def v41_k16_dir(v41_dir, tmp_path_factory) -> Path:
+def v41_k16_dir(ckpt_root) -> Path:
     # §8.5 fast-test override: same structure, small selection sizes
-    return _variant(v41_dir, tmp_path_factory.mktemp("ref") / "tiny-v41-k16",
-                    index_topk=16, candidate_topk_blocks=4, candidate_block_size=8)
+    return tiny_checkpoint(ckpt_root, "v4.1-flash", 0, index_topk=16, candidate_topk_blocks=4, candidate_block_size=8)
 
 
 @pytest.fixture(scope="session")
-def v4_dir(tmp_path_factory) -> Path:
-    return _generate("v4-flash", tmp_path_factory.mktemp("ref") / "tiny-v4")
+def v4_dir(ckpt_root) -> Path:
+    return tiny_checkpoint(ckpt_root, "v4-flash", 0)
 
 
 @pytest.fixture(scope="session")
