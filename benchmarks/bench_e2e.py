@@ -44,6 +44,8 @@ import sys
 import time
 from pathlib import Path
 
+from engine_info import describe  # benchmarks/ is on sys.path: the scripts run as files
+
 HERE = Path(__file__).resolve()
 
 
@@ -129,13 +131,8 @@ def worker(a) -> None:
     _dump(out, res)
     print(f"[{a.impl}] starting LLM {kwargs}", flush=True)
     llm = LLM(**kwargs)
+    res.update(describe(llm))
     mc = llm.llm_engine.model_config
-    res["architecture"] = getattr(mc, "architecture", None)
-    try:
-        from vllm.model_executor.models.registry import ModelRegistry
-        res["model_class"] = str(ModelRegistry._try_load_model_cls(mc.architecture))
-    except Exception as e:  # noqa: BLE001
-        res["model_class"] = f"? {e!r}"
     try:
         res["cudagraph_mode"] = str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode)
     except Exception:  # noqa: BLE001

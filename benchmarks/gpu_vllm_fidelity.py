@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
 from pathlib import Path
+
+from engine_info import describe  # benchmarks/ is on sys.path: the scripts run as files
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -82,13 +83,7 @@ def cmd_run(a) -> None:
     _dump(out, res)
     print(f"[{a.impl}] starting LLM {kwargs}", flush=True)
     llm = LLM(**kwargs)
-    mc = llm.llm_engine.model_config
-    res["architecture"] = getattr(mc, "architecture", None)
-    try:  # which class actually serves the arch (the plugin's or vLLM's)
-        from vllm.model_executor.models.registry import ModelRegistry
-        res["model_class"] = str(ModelRegistry._try_load_model_cls(mc.architecture))
-    except Exception as e:  # noqa: BLE001
-        res["model_class"] = f"? {e!r}"
+    res.update(describe(llm))
     res["startup_s"] = round(time.time() - t0, 1)
     print(f"[{a.impl}] engine up in {res['startup_s']} s; arch {res['architecture']} -> {res['model_class']}", flush=True)
     _dump(out, res)
