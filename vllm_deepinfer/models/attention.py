@@ -53,7 +53,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """x: [T, D] (normalised attention input) -> [T, D]."""
         t = x.shape[0]
-        cos, sin = self.rope.cos_sin(batch.positions)
+        cos, sin = batch.token_cos_sin(self.rope)
         cq = self.q_norm(self.wq_a(x))
         q = self.wq_b(cq).view(t, self.n_heads, self.head_dim)
         if self.per_head_q_norm:

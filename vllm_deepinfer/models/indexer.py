@@ -65,7 +65,7 @@ class Indexer(nn.Module):
         """Select rows for every token and publish them. x: [T, D]; cq: [T, Q] -> ids [T, k] (-1 = none)."""
         t = x.shape[0]
         q = self.wq_b(cq).view(t, self.n_heads, self.head_dim)
-        cos, sin = self.rope.cos_sin(batch.positions)
+        cos, sin = batch.token_cos_sin(self.rope)
         q = ops.apply_rope(q, cos, sin)
         w = self.weights_proj(x).float() * self.weight_scale
         dev = x.device

@@ -40,11 +40,18 @@ class StepBatch:
     attn_metadata: dict[str, PagedCacheMetadata] | None
     topk: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     candidates: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    _rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=dict)
 
     @property
     def has_cache(self) -> bool:
         """False in vLLM's dummy/profiling runs, which bring no cache metadata."""
         return bool(self.attn_metadata)
+
+    def token_cos_sin(self, table) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of every token's position in rotary `table`, computed once per step and table."""
+        if id(table) not in self._rope:
+            self._rope[id(table)] = table.cos_sin(self.positions)
+        return self._rope[id(table)]
 
     def meta(self, cache: PagedCache) -> PagedCacheMetadata:
         return self.attn_metadata[cache.prefix]
