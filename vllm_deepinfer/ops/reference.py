@@ -167,15 +167,73 @@ def swiglu_clamped(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torc
     return (F.silu(a) * b).to(x.dtype) @ w2.t()
 
 
+def _grouped_mm_takes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm accepts these operands: one dtype of bf16/fp16/fp32, row strides and
+    weight offsets of 16-byte multiples (D, I, the weights' strides; allocations are 16-byte aligned),
+    fewer than 1024 experts (the CUTLASS kernel's limit)."""
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or not x.dtype == w13.dtype == w2.dtype:
+        return False
+    align = 16 // x.element_size()
+    return (w13.shape[0] < 1024 and x.shape[1] % align == 0 and w2.shape[2] % align == 0
+            and all(w.stride(-1) == 1 and w.stride(-2) % align == 0 and w.storage_offset() % align == 0
+                    for w in (w13, w2)))
+
+
+def _routed_experts_loop(rows: torch.Tensor, offs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                         limit: float) -> torch.Tensor:
+    """Fallback for the grouped GEMMs of `routed_experts`: rows[offs[e-1]:offs[e]] through expert e by
+    `swiglu_clamped`, one host sync for offs. rows: [N, D] sorted by expert; offs: [E] -> [N, D]."""
+    inter = w2.shape[2]
+    y = rows.new_empty(rows.shape[0], w2.shape[1])
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            y[start:end] = swiglu_clamped(rows[start:end], w13[e, :inter], w13[e, inter:], w2[e], limit)
+        start = end
+    return y
+
+
 def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
                    w2: torch.Tensor, limit: float) -> torch.Tensor:
-    """Sum of weighted routed experts. x: [T, D]; ids/weights: [T, K]; w13: [E, 2I, D]; w2: [E, D, I]."""
-    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    """Sum of weighted routed experts. x: [T, D]; ids/weights: [T, K]; w13: [E, 2I, D]; w2: [E, D, I] -> [T, D].
+
+    out[t] = sum_k weights[t, k] * swiglu_clamped(x[t], expert ids[t, k]), summed in fp32 in
+    ascending expert id (as the per-expert loops of the dense references), returned in x.dtype; on
+    CPU bitwise equal to such a loop. Fixed shapes, no host sync: the T*K assignments are
+    stably sorted by expert, offs[e] = #assignments with id <= e (int32, always [E]), and two
+    torch._grouped_mm (rows w13^T, then h w2^T) run one GEMM per expert over its rows; the SwiGLU
+    runs in fp32 and h is cast back to x.dtype, as in `swiglu_clamped`. A token's row depends on the
+    other tokens only through the GEMM (no atomics; the K-sum has a fixed order), and torch promises
+    no batch invariance for it: on CPU (one mm per expert) bf16 rows are bitwise batch-invariant in
+    the tests, fp32 ones are not (MKL sgemm rounds by the expert's row count); the CUDA CUTLASS
+    kernel picks its tile shape from the mean rows per expert (T*K/E <= 128 or not), and gave
+    bitwise-equal bf16 rows on an H200 up to T*K/E = 1875.
+
+    torch._grouped_mm on CUDA: bf16 on SM90/SM100 runs the CUTLASS grouped GEMM (fp32 accumulation,
+    no sync, CUDA-graph capturable); fp16/fp32, or other GPUs, run torch's own mm loop over the
+    experts after copying offs to the host (a sync; not capturable). Operands it refuses (other
+    dtypes; D or I not a multiple of 16 bytes: 8 elements in 16-bit, 4 in fp32) run
+    `_routed_experts_loop`, likewise one sync.
+    """
+    T, K = ids.shape
     inter = w2.shape[2]
-    for e in torch.unique(ids).tolist():
-        tok, slot = torch.nonzero(ids == e, as_tuple=True)
-        y = swiglu_clamped(x[tok], w13[e, :inter], w13[e, inter:], w2[e], limit)
-        out.index_add_(0, tok, y.float() * weights[tok, slot].unsqueeze(-1))
+    ids, slot = ids.sort(dim=1, stable=True)  # each token's experts ascending: the order of the fp32 sum
+    weights = weights.gather(1, slot)
+    flat = ids.reshape(-1)
+    order = torch.sort(flat, stable=True).indices  # [T*K] assignment t*K+k, grouped by expert
+    offs = torch.searchsorted(flat[order], torch.arange(1, w2.shape[0] + 1, device=ids.device), out_int32=True)
+    rows = x[order // K]  # [T*K, D]
+    if _grouped_mm_takes(x, w13, w2):
+        h = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offs)  # [T*K, 2I]
+        a = h[:, :inter].float().clamp(max=limit)
+        b = h[:, inter:].float().clamp(-limit, limit)
+        y = torch._grouped_mm((F.silu(a) * b).to(x.dtype), w2.transpose(1, 2), offs=offs)  # [T*K, D]
+    else:
+        y = _routed_experts_loop(rows, offs, w13, w2, limit)
+    y = torch.empty_like(y).index_copy_(0, order, y).view(T, K, w2.shape[1])  # back to assignment order t*K+k
+    out = y[:, 0].float() * weights[:, :1]
+    for k in range(1, K):  # fixed order: a token's sum does not depend on the batch
+        out = out + y[:, k].float() * weights[:, k:k + 1]
     return out.to(x.dtype)
 
 
