@@ -246,3 +246,15 @@ def sparse_attention_indexed(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tenso
     _combine_splits_kernel[(t, hb)](po, pml, sink, out, h, ns, out.stride(0), out.stride(1), D=d, BH=bh,
                                     num_warps=8)
     return out
+
+
+def sparse_attention_gathered(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
+                              scale: float) -> torch.Tensor:
+    """q: [T, H, d]; keys: [T, K, d] each query's own rows (K = V); valid: [T, K] -> [T, H, d].
+
+    The indexed kernel over the flattened rows, query t reading rows t*K .. t*K+K-1; no host sync.
+    """
+    t, k = valid.shape
+    own = torch.arange(t, device=q.device).unsqueeze(1) * k + torch.arange(k, device=q.device)
+    idx = torch.where(valid, own, -1)
+    return sparse_attention_indexed(q, keys.reshape(t * k, -1), idx, sink, scale)

@@ -1,7 +1,11 @@
 """The kernel set of `kernels_nvidia`, with the oracle's names and signatures (ops not listed here
 fall back to the torch reference in `vllm_deepinfer.ops`)."""
 
-from kernels_nvidia.attention import sparse_attention, sparse_attention_indexed  # noqa: F401
+from kernels_nvidia.attention import (  # noqa: F401
+    sparse_attention,
+    sparse_attention_gathered,
+    sparse_attention_indexed,
+)
 from kernels_nvidia.compressor import softmax_pool  # noqa: F401
 from kernels_nvidia.indexer import indexer_scores, topk_rows_packed  # noqa: F401
 from kernels_nvidia.mhc import hc_coefficients, hc_collapse, hc_expand  # noqa: F401

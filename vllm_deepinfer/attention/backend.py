@@ -5,6 +5,11 @@ is a paged cache owned by vLLM's KV cache manager. Each cache kind forms its own
 with its own block size; the builder hands every layer its group's block table plus the batch
 layout, and the model addresses rows itself from (request, position), so one mechanism serves
 prefill, chunked prefill, decode and recompute after preemption.
+
+Uniform decode steps (one token per request) take the model's fixed-shape path, which reads only
+device tensors that vLLM keeps in persistent buffers (block table, sequence lengths), so vLLM can
+capture them as full CUDA graphs (`UNIFORM_SINGLE_TOKEN_DECODE`). Padded requests of a captured
+batch have sequence length 0 and block-table rows of the null block 0.
 """
 
 from __future__ import annotations
@@ -27,7 +32,9 @@ class PagedCacheMetadata:
     """Batch layout and one cache group's block table for one step.
 
     block_table: [R, max_blocks] block ids of the group; query_start_loc: [R + 1] (CPU);
-    seq_lens: [R] tokens of each request after this step (CPU); block_size: tokens per block.
+    seq_lens: [R] tokens of each request after this step (device); block_size: tokens per block;
+    decode: every request has exactly one query token (token i belongs to request i);
+    max_model_len: bound of every position (fixes the decode path's shapes).
     """
 
     block_table: torch.Tensor
@@ -36,14 +43,17 @@ class PagedCacheMetadata:
     block_size: int
     num_reqs: int
     num_tokens: int
+    decode: bool
+    max_model_len: int
 
 
 class PagedCacheMetadataBuilder(AttentionMetadataBuilder[PagedCacheMetadata]):
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.block_size = kv_cache_spec.block_size
+        self.max_model_len = vllm_config.model_config.max_model_len
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> PagedCacheMetadata:
@@ -52,10 +62,12 @@ class PagedCacheMetadataBuilder(AttentionMetadataBuilder[PagedCacheMetadata]):
         return PagedCacheMetadata(
             block_table=m.block_table_tensor[:r],
             query_start_loc=m.query_start_loc_cpu[: r + 1].clone(),
-            seq_lens=m.seq_lens[:r].to("cpu", copy=True),
+            seq_lens=m.seq_lens[:r],
             block_size=self.block_size,
             num_reqs=r,
             num_tokens=m.num_actual_tokens,
+            decode=m.max_query_len == 1,
+            max_model_len=self.max_model_len,
         )
 
 

@@ -90,17 +90,27 @@ class PagedCache(nn.Module, AttentionLayerBase):
         """All cache rows, [num_blocks * rows_per_block, width]."""
         return self.kv_cache.view(-1, self.width)
 
-    def row_slots(self, meta: PagedCacheMetadata, req: int, row_ids: torch.Tensor) -> torch.Tensor:
-        """Flat slots of rows `row_ids` [N] of request `req` in `rows`."""
+    def row_slots(self, meta: PagedCacheMetadata, req: int | torch.Tensor, row_ids: torch.Tensor) -> torch.Tensor:
+        """Flat slots of rows `row_ids` of request(s) `req` in `rows` (req broadcasts against row_ids).
+
+        Row ids are clamped into the block table, so any id (e.g. of a padded token) maps to some slot;
+        callers mask what they read and send writes they must drop to the null block (slot 0).
+        """
         tok = row_ids * self.tokens_per_row
-        block = meta.block_table[req, tok // self.block_size].long()
+        col = (tok // self.block_size).clamp(0, meta.block_table.shape[1] - 1)
+        block = meta.block_table[req, col].long()
         return block * self.rows_per_block + (tok % self.block_size) // self.tokens_per_row
 
-    def write(self, meta: PagedCacheMetadata, req: int, row_ids: torch.Tensor, values: torch.Tensor) -> None:
-        """Store rows `row_ids` [N] of request `req`; values: [N, width]."""
+    def write(self, meta: PagedCacheMetadata, req: int | torch.Tensor, row_ids: torch.Tensor, values: torch.Tensor,
+              keep: torch.Tensor | None = None) -> None:
+        """Store rows `row_ids` [N] of request(s) `req`; values: [N, width]; rows where `keep` [N] is
+        False go to the null block (fixed shapes for the decode path)."""
         if row_ids.numel():
-            self.rows[self.row_slots(meta, req, row_ids)] = values.to(self.dtype)
+            slots = self.row_slots(meta, req, row_ids)
+            if keep is not None:
+                slots = torch.where(keep, slots, 0)
+            self.rows[slots] = values.to(self.dtype)
 
-    def read(self, meta: PagedCacheMetadata, req: int, row_ids: torch.Tensor) -> torch.Tensor:
-        """Load rows `row_ids` [N] of request `req` -> [N, width]."""
+    def read(self, meta: PagedCacheMetadata, req: int | torch.Tensor, row_ids: torch.Tensor) -> torch.Tensor:
+        """Load rows `row_ids` [...] of request(s) `req` -> [..., width]."""
         return self.rows[self.row_slots(meta, req, row_ids)]

@@ -69,6 +69,10 @@ class Attention(nn.Module):
             selected = self.indexer(x, cq, batch)
         elif self.plan.index_source is not None:
             selected = batch.topk[self.plan.index_source]
+        if batch.decode:
+            out = self._attend_decode(q, kv, batch, selected)
+            out = ops.apply_rope(out, cos, sin, inverse=True)
+            return ops.grouped_output(out, self.wo_a.weight, self.wo_b.weight, self.groups)
         out = torch.zeros_like(q)  # rows outside every span (padding) stay defined
         for span in batch:
             out[span.start:span.end] = self._attend(q[span.start:span.end], kv[span.start:span.end], span,
@@ -79,10 +83,10 @@ class Attention(nn.Module):
     def _compress(self, x: torch.Tensor, batch: StepBatch) -> None:
         """Pool the groups closed in this step into compressed rows (and V4.1 index keys)."""
         closed = self.compressor(x, batch)
-        for span, g, latent in closed:
-            cos, sin = self.rope.cos_sin(g * self.plan.ratio)
-            rows = ops.apply_rope(latent, cos, sin)
-            self.compressed_cache.write(batch.meta(self.compressed_cache), span.req, g, rows)
+        for c in closed:
+            cos, sin = self.rope.cos_sin(c.groups * self.plan.ratio)
+            rows = ops.apply_rope(c.latent, cos, sin)
+            self.compressed_cache.write(batch.meta(self.compressed_cache), c.req, c.groups, rows, keep=c.keep)
         if self.indexer is not None and self.indexer.key_cache is not None:
             self.indexer.write_keys(x, batch, latents=closed)
 
@@ -114,3 +118,27 @@ class Attention(nn.Module):
                     selected = torch.where(every < n_visible.unsqueeze(1), every, -1)
                 ids.append(torch.where(selected >= 0, selected + offset, -1))
         return ops.sparse_attention_indexed(q, torch.cat(rows), torch.cat(ids, dim=1), self.attn_sink, self.scale)
+
+    def _attend_decode(self, q: torch.Tensor, kv: torch.Tensor, batch: StepBatch,
+                       selected: torch.Tensor | None) -> torch.Tensor:
+        """One query per request (fixed shapes, no host sync). q: [T, H, d]; kv: [T, d] -> [T, H, d].
+
+        Keys are gathered per query: its last W window rows, then its selected compressed rows
+        (HCA: every row up to max_model_len / m, masked to the visible ones).
+        """
+        meta = batch.meta(self.window_cache)
+        dev, req = q.device, batch.req.unsqueeze(1)
+        pos = batch.positions.long()
+        self.window_cache.write(meta, batch.req, pos, kv, keep=batch.live)
+        window = pos.unsqueeze(1) - self.window + 1 + torch.arange(self.window, device=dev)      # [T, W]
+        keys = [self.window_cache.read(meta, req, window.clamp(min=0))]
+        valid = [window >= 0]
+        if self.plan.ratio > 0:
+            n_visible = (pos + 1) // self.plan.ratio
+            if selected is None:  # HCA: every visible row
+                every = torch.arange(meta.max_model_len // self.plan.ratio + 1, device=dev)
+                selected = torch.where(every < n_visible.unsqueeze(1), every, -1)
+            keys.append(self.kv_source.read(batch.meta(self.kv_source), req, selected.clamp(min=0)))
+            valid.append(selected >= 0)
+        return ops.sparse_attention_gathered(q, torch.cat(keys, dim=1), torch.cat(valid, dim=1), self.attn_sink,
+                                             self.scale)

@@ -11,13 +11,27 @@ closes a group it pools the group's rows with a per-dimension softmax over the s
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
 from vllm_deepinfer import ops
 from vllm_deepinfer.attention.caches import PagedCache
 from vllm_deepinfer.models.layers import Linear, RMSNorm, _param
-from vllm_deepinfer.models.step import RequestSpan, StepBatch
+from vllm_deepinfer.models.step import StepBatch
+
+
+@dataclasses.dataclass
+class ClosedRows:
+    """Compressed rows closed in one step: row `groups[i]` of request `req` (an int, or per row
+    [G] on the decode path), normalised latent [G, w] fp32 without RoPE; `keep` [G] (decode path)
+    is False for rows that are not really closed (fixed shapes: they are written to the null block)."""
+
+    req: int | torch.Tensor
+    groups: torch.Tensor
+    latent: torch.Tensor
+    keep: torch.Tensor | None = None
 
 
 class Compressor(nn.Module):
@@ -36,47 +50,53 @@ class Compressor(nn.Module):
             self.state_cache = PagedCache(f"{prefix}.state_cache", 2 * c * width, torch.float32, page_bytes,
                                           window=span)
 
-    def forward(self, x: torch.Tensor, batch: StepBatch) -> list[tuple[RequestSpan, torch.Tensor, torch.Tensor]]:
+    def forward(self, x: torch.Tensor, batch: StepBatch) -> list[ClosedRows]:
         """Write this step's token state and pool every group a token of this step closes.
 
-        x: [T, D] (the attention input). Returns per request (span, group ids [G], normalised
-        latents [G, w] fp32) — still without RoPE, which the caller applies at position m * g.
+        x: [T, D] (the attention input). Returns the closed rows per request (one record for the
+        whole batch on the decode path) — latents still without RoPE, applied at position m * g.
         """
         xf = x.float()
         kv = self.wkv(xf)
-        out = []
+        m = self.ratio
         if not self.gated:  # ratio 1: every token is its own group
-            for span in batch:
-                g = span.pos(x.device)
-                out.append((span, g, self.norm(kv[span.start:span.end])))
-            return out
+            if batch.decode:
+                return [ClosedRows(batch.req, batch.positions.long(), self.norm(kv), batch.live)]
+            return [ClosedRows(span.req, span.pos(x.device), self.norm(kv[span.start:span.end])) for span in batch]
         score = self.wgate(xf)
         if self.ape is not None:
-            score = score + self.ape[batch.positions.long() % self.ratio]
+            score = score + self.ape[batch.positions.long() % m]
         state = torch.cat((kv, score), dim=-1)
-        m = self.ratio
+        meta = batch.meta(self.state_cache)
+        if batch.decode:  # every token pools its group; only tokens that close one keep the row
+            pos = batch.positions.long()
+            self.state_cache.write(meta, batch.req, pos, state, keep=batch.live)
+            g = pos // m
+            latent = self.norm(self._pool(meta, batch.req.unsqueeze(1), g))
+            return [ClosedRows(batch.req, g, latent, batch.live & ((pos + 1) % m == 0))]
+        out = []
         for span in batch:
-            meta = batch.meta(self.state_cache)
             pos = span.pos(x.device)
             self.state_cache.write(meta, span.req, pos, state[span.start:span.end])
             g = pos[(pos + 1) % m == 0] // m
             if g.numel() == 0:
                 continue
-            out.append((span, g, self.norm(self._pool(meta, span.req, g))))
+            out.append(ClosedRows(span.req, g, self.norm(self._pool(meta, span.req, g))))
         return out
 
-    def _pool(self, meta, req: int, groups: torch.Tensor) -> torch.Tensor:
-        """Softmax-pool the cached token states of `groups` [G] -> [G, w] fp32."""
+    def _pool(self, meta, req: int | torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+        """Softmax-pool the cached token states of `groups` [G] (of request req, int or [G, 1]) -> [G, w] fp32."""
         m, w = self.ratio, self.width
         n_slots = 2 * m if self.overlap else m
         first = groups * m - (m if self.overlap else 0)
         tok = first.unsqueeze(1) + torch.arange(n_slots, device=groups.device)            # [G, S]
         valid = tok >= 0
-        rows = self.state_cache.read(meta, req, tok.clamp(min=0).flatten()).view(*tok.shape, -1).float()
+        rows = self.state_cache.read(meta, req, tok.clamp(min=0)).float()                 # [G, S, 2cw]
         c = 2 if self.overlap else 1
         kv, score = rows[..., : c * w], rows[..., c * w:]
         if self.overlap:  # previous block through its first half, current block through its second
             kv = torch.cat((kv[:, :m, :w], kv[:, m:, w:]), dim=1)
             score = torch.cat((score[:, :m, :w], score[:, m:, w:]), dim=1)
+        kv = kv.masked_fill(~valid.unsqueeze(-1), 0.0)
         score = score.masked_fill(~valid.unsqueeze(-1), float("-inf"))
         return ops.softmax_pool(kv, score)

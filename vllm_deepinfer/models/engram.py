@@ -54,28 +54,28 @@ class EngramHasher(nn.Module):
         self.register_buffer("multipliers", torch.tensor(mult, dtype=torch.long), persistent=False)
 
     def hash_ids(self, table: int, history: torch.Tensor, history_valid: torch.Tensor) -> torch.Tensor:
-        """Bucket rows of one request's new tokens.
+        """Bucket rows of new tokens from their token history.
 
-        history: [n + max_ngram - 1] raw token ids at positions first-(max_ngram-1) .. last;
-        history_valid: same shape, False before the sequence start. Returns [n, (max_ngram-1) * n_heads].
+        history: [..., n + max_ngram - 1] raw token ids at positions first-(max_ngram-1) .. last;
+        history_valid: same shape, False before the sequence start. Returns [..., n, (max_ngram-1) * n_heads].
         """
         k = self.max_ngram
         ids = self.token_map[history.long().clamp(min=0)]
         is_image = (history >= self.image_token_id) & (history < self.image_token_id + IMAGE_TOKEN_SPAN)
         dead = ~history_valid | (is_image if self.image_token_id >= 0 else torch.zeros_like(is_image))
-        n = history.numel() - (k - 1)
+        n = history.shape[-1] - (k - 1)
         dev = history.device
         look = torch.arange(n, device=dev).unsqueeze(1) + (k - 1) - torch.arange(k, device=dev)     # [n, k]: shift s back from token
-        alive = torch.cumprod((~dead[look]).long(), dim=1).bool()
-        vals = torch.where(alive, ids[look], self.pad_id)
-        rolling = torch.zeros(n, dtype=torch.long, device=dev)
+        alive = torch.cumprod((~dead[..., look]).long(), dim=-1).bool()
+        vals = torch.where(alive, ids[..., look], self.pad_id)                                     # [..., n, k]
+        rolling = torch.zeros(vals.shape[:-1], dtype=torch.long, device=dev)
         cols = []
         for s in range(k):
-            rolling = rolling ^ (vals[:, s] * self.multipliers[table, s])
+            rolling = rolling ^ (vals[..., s] * self.multipliers[table, s])
             if s > 0:
                 c = slice((s - 1) * self.n_heads, s * self.n_heads)
-                cols.append(rolling.unsqueeze(1) % self.primes[table, c] + self.offsets[table, c])
-        return torch.cat(cols, dim=1)
+                cols.append(rolling.unsqueeze(-1) % self.primes[table, c] + self.offsets[table, c])
+        return torch.cat(cols, dim=-1)
 
 
 class Engram(nn.Module):
@@ -98,7 +98,10 @@ class Engram(nn.Module):
         if not batch.has_cache:
             return streams
         hasher = self.hasher[0]
-        rows = torch.cat([hasher.hash_ids(self.table, *self.lookback(batch, span)) for span in batch])
+        if batch.decode:  # one token per request: its own history row [T, max_ngram]
+            rows = hasher.hash_ids(self.table, *self.lookback_decode(batch))[:, 0]
+        else:
+            rows = torch.cat([hasher.hash_ids(self.table, *self.lookback(batch, span)) for span in batch])
         emb = self.embed(rows).flatten(1)                                     # [T, cols * d]
         kv = self.wkv(emb.to(self.wkv.weight.dtype)).view(-1, self.hc + 1, self.hidden)
         keys, value = kv[:, : self.hc], kv[:, self.hc]
@@ -121,6 +124,14 @@ class Engram(nn.Module):
         ids = self.history.read(meta, span.req, pos.clamp(min=0))[:, 0]
         return torch.where(valid, ids, 0), valid
 
+    def lookback_decode(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode path: each token's id and the max_ngram-1 before it, [T, max_ngram] each."""
+        k = self.hasher[0].max_ngram
+        pos = batch.positions.long().unsqueeze(1) - (k - 1) + torch.arange(k, device=batch.positions.device)
+        valid = pos >= 0
+        ids = self.history.read(batch.meta(self.history), batch.req.unsqueeze(1), pos.clamp(min=0))[..., 0]
+        return torch.where(valid, ids, 0), valid
+
 
 class EngramTable(nn.Module):
     """FP8 table with one E8M0 scale per 32 values per row, decoded on lookup."""
@@ -139,6 +150,10 @@ class EngramTable(nn.Module):
 def write_token_history(history: PagedCache, batch: StepBatch) -> None:
     """Record this step's token ids in the shared token-history cache (before any Engram layer)."""
     if not batch.has_cache:
+        return
+    if batch.decode:
+        ids = batch.token_ids.view(-1, 1).expand(-1, history.width)
+        history.write(batch.meta(history), batch.req, batch.positions.long(), ids, keep=batch.live)
         return
     for span in batch:
         pos = span.pos(batch.positions.device)

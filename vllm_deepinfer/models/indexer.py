@@ -49,16 +49,17 @@ class Indexer(nn.Module):
     def write_keys(self, x: torch.Tensor, batch: StepBatch, latents=None) -> None:
         """Store index keys of the rows closed in this step.
 
-        V4: pooled from x [T, D] by the indexer's compressor. V4.1: `latents` from the KV source's
-        compressor, as (span, group ids [G], latent [G, d]) triples.
+        V4: pooled from x [T, D] by the indexer's compressor. V4.1: `latents`, the closed rows of
+        the KV source's compressor.
         """
-        groups = self.compressor(x, batch) if self.compressor is not None else latents
-        for span, g, latent in groups:
+        closed = self.compressor(x, batch) if self.compressor is not None else latents
+        for c in closed:
+            latent = c.latent
             if self.compressor is None:
                 latent = self.k_norm(self.wk(latent.to(self.wk.weight.dtype)).float())
-            cos, sin = self.rope.cos_sin(g * self.ratio)
+            cos, sin = self.rope.cos_sin(c.groups * self.ratio)
             keys = ops.apply_rope(latent, cos, sin)
-            self.key_cache.write(batch.meta(self.key_cache), span.req, g, keys)
+            self.key_cache.write(batch.meta(self.key_cache), c.req, c.groups, keys, keep=c.keep)
 
     # -- selection -------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, cq: torch.Tensor, batch: StepBatch) -> torch.Tensor:
@@ -69,6 +70,8 @@ class Indexer(nn.Module):
         q = ops.apply_rope(q, cos, sin)
         w = self.weights_proj(x).float() * self.weight_scale
         dev = x.device
+        if batch.decode:
+            return self._select_decode(q, w, batch)
         ids = torch.full((t, self.topk), -1, dtype=torch.long, device=dev)
         cand_out = torch.full((t, max(self.n_blocks, 1)), -1, dtype=torch.long, device=dev) if self.plan.candidate_source else None
         cands = batch.candidates.get(self.candidate_layer) if self.plan.candidate_consumer else None
@@ -95,6 +98,23 @@ class Indexer(nn.Module):
         batch.topk[self.plan.layer_id] = ids
         if cand_out is not None:
             batch.candidates[self.plan.layer_id] = cand_out
+        return ids
+
+    def _select_decode(self, q: torch.Tensor, w: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """Fixed-shape selection for one token per request: score every row up to max_model_len / m."""
+        meta = batch.meta(self.key_source)
+        dev = q.device
+        rows = torch.arange(meta.max_model_len // self.ratio + 1, device=dev)
+        n_valid = (batch.positions.long() + 1) // self.ratio                                # [T]
+        valid = rows.unsqueeze(0) < n_valid.unsqueeze(1)                                     # [T, N]
+        keys = self.key_source.read(meta, batch.req.unsqueeze(1), rows.unsqueeze(0))         # [T, N, d_I]
+        scores = ops.indexer_scores_gathered(q, w, keys).masked_fill(~valid, float("-inf"))
+        if self.plan.candidate_source:
+            batch.candidates[self.plan.layer_id] = self._candidate_blocks(scores, n_valid)
+        if self.plan.candidate_consumer:
+            scores = self._restrict_to_blocks(scores, batch.candidates[self.candidate_layer])
+        ids = ops.topk_rows(scores, self.topk)
+        batch.topk[self.plan.layer_id] = ids
         return ids
 
     def _candidate_blocks(self, scores: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:

@@ -32,12 +32,18 @@ class StepBatch:
 
     token_ids/positions: [T]; `topk[l]`: [T, k] compressed-row ids selected by index source l
     (-1 = none); `candidates[l]`: [T, n_blocks] candidate block ids published by layer l.
+
+    Decode steps (one token per request: token i is request i) carry no spans: `req` [T] is each
+    token's block-table row and `live` [T] is False for the padding of a captured CUDA graph, and
+    every layer takes its fixed-shape path, which reads no host copy of the batch layout.
     """
 
     token_ids: torch.Tensor
     positions: torch.Tensor
-    spans: list[RequestSpan]
+    spans: list[RequestSpan] | None
     attn_metadata: dict[str, PagedCacheMetadata] | None
+    req: torch.Tensor | None = None
+    live: torch.Tensor | None = None
     topk: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     candidates: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     _rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=dict)
@@ -56,7 +62,13 @@ class StepBatch:
     def meta(self, cache: PagedCache) -> PagedCacheMetadata:
         return self.attn_metadata[cache.prefix]
 
+    @property
+    def decode(self) -> bool:
+        return self.spans is None
+
     def __iter__(self) -> Iterator[RequestSpan]:
+        if self.spans is None:
+            raise RuntimeError("decode steps have no spans: use the fixed-shape path")
         return iter(self.spans)
 
     @classmethod
@@ -69,6 +81,13 @@ class StepBatch:
         if not attn_metadata:
             return cls(token_ids, positions, [], None)
         meta = next(iter(attn_metadata.values()))
+        t = token_ids.shape[0]
+        if meta.decode and meta.block_table.shape[0] >= t:
+            n = min(t, meta.seq_lens.shape[0])
+            live = torch.zeros(t, dtype=torch.bool, device=token_ids.device)
+            live[:n] = meta.seq_lens[:n] > 0
+            req = torch.arange(t, device=token_ids.device)
+            return cls(token_ids, positions, None, attn_metadata, req=req, live=live)
         qsl = meta.query_start_loc[: meta.num_reqs + 1]
         firsts = positions[qsl[:-1].clamp(max=max(positions.numel() - 1, 0)).to(positions.device)].tolist()
         qsl = qsl.tolist()

@@ -71,6 +71,14 @@ def sparse_attention_indexed(q, kv, idx, sink, scale):
     return _dispatch("sparse_attention_indexed", q, q, kv, idx, sink, scale)
 
 
+def sparse_attention_gathered(q, keys, valid, sink, scale):
+    return _dispatch("sparse_attention_gathered", q, q, keys, valid, sink, scale)
+
+
+def indexer_scores_gathered(q, weights, keys):
+    return _dispatch("indexer_scores_gathered", q, q, weights, keys)
+
+
 def softmax_pool(values, logits):
     return _dispatch("softmax_pool", values, values, logits)
 
@@ -95,7 +103,8 @@ def hc_expand(streams, y, post, comb):
     return _dispatch("hc_expand", streams, streams, y, post, comb)
 
 
-for _f in (sparse_attention, sparse_attention_indexed, softmax_pool, indexer_scores, topk_rows,
+for _f in (sparse_attention, sparse_attention_indexed, sparse_attention_gathered, softmax_pool, indexer_scores,
+           indexer_scores_gathered, topk_rows,
            hc_coefficients, hc_collapse, hc_expand):
     _f.__doc__ = getattr(reference, _f.__name__).__doc__
 del _f
