@@ -297,6 +297,8 @@ def main(argv=None) -> int:
     p.add_argument("--device-smoke", action="store_true",
                    help="CPU smoke test: tiny preset, float32, eager, small sizes")
     p.add_argument("--out", default=None)
+    p.add_argument("--report", default=None, metavar="DIR",
+                   help="only print the table of DIR/ours.json and DIR/intree.json (e.g. two device calls)")
     # worker-only
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--impl", choices=["ours", "intree"], help=argparse.SUPPRESS)
@@ -315,6 +317,10 @@ def main(argv=None) -> int:
     if a.worker:
         worker(a)
         return 0
+    if a.report:
+        d = Path(a.report)
+        res = {i: json.loads((d / f"{i}.json").read_text()) for i in ("ours", "intree") if (d / f"{i}.json").exists()}
+        return report(d, res, ["ours", "intree"], {"report": a.report}, "")
 
     out = Path(a.out or (Path(os.environ["OUT"]) / "bench_e2e" if os.environ.get("OUT") else "bench_e2e_out"))
     out.mkdir(parents=True, exist_ok=True)
@@ -367,11 +373,15 @@ def main(argv=None) -> int:
                 if on and not ln.startswith("[ours] done"):
                     keep.append(ln)
             print("\n".join(keep))
+    return report(out, results, impls, {k: v for k, v in vars(a).items() if k not in ("worker", "impl", "result")},
+                  str(model))
+
+
+def report(out: Path, results: dict, impls: list[str], args: dict, model_dir: str) -> int:
+    """Print the ours / in-tree table with ratios and write `out/results.json`."""
     tbl = table(results, impls)
     print("\n" + tbl)
-    summary = {"args": {k: v for k, v in vars(a).items() if k not in ("worker", "impl", "result")},
-               "model_dir": str(model), "table": tbl,
-               "ratio_ours_over_intree": {}, "results": results}
+    summary = {"args": args, "model_dir": model_dir, "table": tbl, "ratio_ours_over_intree": {}, "results": results}
     if len(impls) == 2 and "ours" in results and "intree" in results:
         for ph in ("prefill", "decode"):
             for s, r in results["ours"].get(ph, {}).items():
@@ -380,8 +390,7 @@ def main(argv=None) -> int:
                     summary["ratio_ours_over_intree"][f"{ph}_{s}"] = r["tok_s"] / t["tok_s"]
     _dump(out / "results.json", summary)
     print(f"\nresults: {out / 'results.json'}")
-    return 0 if all(results.get(i, {}).get("rc") == 0 for i in impls) else 1
-
+    return 0 if all(results.get(i, {}).get("rc", 0) == 0 for i in impls) else 1
 
 if __name__ == "__main__":
     sys.exit(main())

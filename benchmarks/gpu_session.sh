@@ -3,7 +3,10 @@
 #
 #   bash benchmarks/gpu_session.sh kernels          # host torch/triton: kernel tests + microbenchmarks
 #   bash benchmarks/gpu_session.sh stage DIR        # one vLLM 0.32 chunk (../shared/gpu/receive.sh), see NOTES-gpu.md
-#   (not yet: e2e fidelity plugin vs in-tree V4.1 and the serving benchmark; see NOTES-gpu.md)
+#   bash benchmarks/gpu_session.sh vllm BUDGET_S    # after READY: plugin wheel + tiny-gpu checkpoints, then
+#       in-tree full-width benchmark (foreground) || the plugin's fidelity runs with CUDA graphs (background)
+#   bash benchmarks/gpu_session.sh ours-bench BUDGET_S   # the plugin's full-width benchmark (+ profile), same --out
+#   (then on CPU: python benchmarks/bench_e2e.py --report DIR   -> ours/in-tree table with ratios)
 #
 # Logs and JSON go to $OUT (the device tool brings them back); the last lines printed are a summary.
 set -u -o pipefail
@@ -30,8 +33,51 @@ kernels() {
   fi
 }
 
+vllm_env() {  # plugin wheel first, then env.sh (it puts /root/gpu-env/plugin on PYTHONPATH only if it exists)
+  python3 -m pip install -q --upgrade --no-index --no-deps --target /root/gpu-env/plugin .gpuwork/whl/*.whl
+  source shared/gpu/env.sh || { echo "env.sh: stack not READY"; exit 1; }
+  export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 VLLM_DEEP_GEMM_WARMUP=skip
+}
+
+BENCH="python3 benchmarks/bench_e2e.py --out $OUT/bench_e2e --no-jit-warmup"
+
+vllm_session() {  # BUDGET_S
+  local budget=$1 t0=$SECONDS
+  vllm_env
+  for a in "v4.1-flash v41" "v4-flash v4"; do
+    set -- $a
+    [ -d .gpuwork/ckpt-$2 ] || python3 -m vllm_deepinfer.tools.make_checkpoint --arch $1 --preset tiny-gpu \
+      --out .gpuwork/ckpt-$2 > "$OUT/make_$2.log" 2>&1
+  done
+  (cd .gpuwork && sha256sum -c ckpt.sha256) || exit 1
+  local F="python3 benchmarks/gpu_vllm_fidelity.py run --prompts .gpuwork/prompts.json --kv-bytes 2 --no-jit-warmup
+           --gpu-mem 0.12 --impl ours --no-eager --cudagraph-sizes 1,2,4"
+  ( timeout 300 $F --ckpt .gpuwork/ckpt-v41 --out "$OUT/ours_v41.json" > "$OUT/ours_v41.log" 2>&1 &
+    DEEPINFER_NUMERICS=parity timeout 300 $F --ckpt .gpuwork/ckpt-v41 --out "$OUT/oursP_v41.json" \
+      > "$OUT/oursP_v41.log" 2>&1 &
+    DEEPINFER_NUMERICS=parity timeout 300 $F --ckpt .gpuwork/ckpt-v4 --out "$OUT/oursP_v4.json" \
+      > "$OUT/oursP_v4.log" 2>&1 &
+    wait ) &
+  local left=$((budget - (SECONDS - t0) - 10))
+  $BENCH --only intree --gpu-mem 0.45 --timeout $left > "$OUT/bench_intree.out" 2>&1
+  wait
+  grep -h "^\[ours\]" "$OUT"/ours*_v4*.log
+  tail -20 "$OUT/bench_intree.out"
+  echo "vllm session done t=$((SECONDS - t0)) s"
+}
+
+ours_bench() {  # BUDGET_S
+  local budget=$1 t0=$SECONDS
+  vllm_env
+  $BENCH --only ours --profile --timeout $((budget - 15)) > "$OUT/bench_ours.out" 2>&1
+  tail -60 "$OUT/bench_ours.out"
+  echo "ours bench done t=$((SECONDS - t0)) s"
+}
+
 case "$mode" in
   kernels) kernels ;;
   stage) bash "$REPO/shared/gpu/receive.sh" "$2" ;;
-  *) echo "usage: $0 kernels|stage DIR" >&2; exit 2 ;;
+  vllm) vllm_session "${2:-560}" ;;
+  ours-bench) ours_bench "${2:-560}" ;;
+  *) echo "usage: $0 kernels|stage DIR|vllm BUDGET_S|ours-bench BUDGET_S" >&2; exit 2 ;;
 esac

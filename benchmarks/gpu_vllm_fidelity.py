@@ -84,6 +84,7 @@ def cmd_run(a) -> None:
     print(f"[{a.impl}] starting LLM {kwargs}", flush=True)
     llm = LLM(**kwargs)
     res.update(describe(llm))
+    res["cudagraph_mode"] = str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode)
     res["startup_s"] = round(time.time() - t0, 1)
     print(f"[{a.impl}] engine up in {res['startup_s']} s; arch {res['architecture']} -> {res['model_class']}", flush=True)
     _dump(out, res)

@@ -127,6 +127,13 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -
     return torch.einsum("thn,th->tn", dots, weights.float())
 
 
+def indexer_scores_gathered(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """`indexer_scores` with each token's own keys. q: [T, H_I, d_I]; weights: [T, H_I];
+    keys: [T, N, d_I] -> [T, N] fp32."""
+    dots = torch.einsum("thd,tnd->thn", q.float(), keys.float()).relu_()
+    return torch.einsum("thn,th->tn", dots, weights.float())
+
+
 def topk_rows(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest finite scores per row, -1 where fewer exist. scores: [T, N] -> [T, k].
 
@@ -235,6 +242,21 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     for k in range(1, K):  # fixed order: a token's sum does not depend on the batch
         out = out + y[:, k].float() * weights[:, k:k + 1]
     return out.to(x.dtype)
+
+
+def sparse_attention_gathered(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
+                              scale: float) -> torch.Tensor:
+    """`sparse_attention` with each query's own gathered keys (decode path).
+
+    q: [T, H, d]; keys: [T, K, d] (K = V); valid: [T, K] bool; sink: [H] -> [T, H, d]. Invalid rows
+    may hold anything (they are zeroed before use).
+    """
+    keys = torch.where(valid.unsqueeze(-1), keys.float(), 0.0)
+    scores = torch.einsum("thd,tkd->thk", q.float(), keys) * scale
+    scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
+    sink_col = sink.float().view(1, -1, 1).expand(scores.shape[0], -1, 1)
+    probs = torch.softmax(torch.cat((scores, sink_col), dim=-1), dim=-1)[..., :-1]
+    return torch.einsum("thk,tkd->thd", probs, keys).to(q.dtype)
 
 
 def sparse_attention_indexed(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
