@@ -178,7 +178,12 @@ def cmd_compare(a) -> None:
         ga, gb = ra["generated"], rb["generated"]
         first = next((i for i, (x, y) in enumerate(zip(ga, gb)) if x != y), None)
         tok_d, top_d, top1 = _prompt_diffs(ra, rb)
-        row = {"identical": ga == gb, "first_divergence": first,
+        gaps = None
+        if first is not None:  # how close each side was to the other's choice at the first divergence
+            la, lb = ra["gen_logprobs"][first], rb["gen_logprobs"][first]
+            gaps = {A["impl"]: la[str(ga[first])] - la.get(str(gb[first]), float("-inf")),
+                    B["impl"]: lb[str(gb[first])] - lb.get(str(ga[first]), float("-inf"))}
+        row = {"identical": ga == gb, "first_divergence": first, "divergence_gaps": gaps,
                "agree_tokens": sum(x == y for x, y in zip(ga, gb)), "n_new": len(ga),
                "prompt_tok_logprob_absdiff": _stats(tok_d), "prompt_top5_absdiff": _stats(top_d),
                "prompt_top1_agree": f"{sum(top1)}/{len(top1)}",
@@ -186,10 +191,14 @@ def cmd_compare(a) -> None:
         if ref is not None:
             row["ref_" + A["impl"]] = _ref_check(ref, ra)
             row["ref_" + B["impl"]] = _ref_check(ref, rb)
+        row["pass"] = (row["prompt_tok_logprob_absdiff"]["mean"] <= a.mean_tol
+                       and (gaps is None or max(gaps.values()) <= a.tie_tol))
         report["per_len"][n] = row
         print(f"len {n}: identical={row['identical']} agree={row['agree_tokens']}/{row['n_new']} "
-              f"first_div={first} prompt |dlp| max={row['prompt_tok_logprob_absdiff']['max']:.4g} "
-              f"mean={row['prompt_tok_logprob_absdiff']['mean']:.4g} top1 {row['prompt_top1_agree']}")
+              f"first_div={first} gaps {gaps and {k: round(v, 4) for k, v in gaps.items()}} "
+              f"prompt |dlp| max={row['prompt_tok_logprob_absdiff']['max']:.4g} "
+              f"mean={row['prompt_tok_logprob_absdiff']['mean']:.4g} top1 {row['prompt_top1_agree']} "
+              f"-> {'PASS' if row['pass'] else 'FAIL'}")
         if ref is not None:
             for k in ("ref_" + A["impl"], "ref_" + B["impl"]):
                 r = row[k]
@@ -198,6 +207,9 @@ def cmd_compare(a) -> None:
                       f"{r['prompt_tok_logprob_vs_ref']['max']:.4g} mean {r['prompt_tok_logprob_vs_ref']['mean']:.4g}")
     for k in ("startup_s", "total_s", "model_class", "device", "torch"):
         report[k] = {A["impl"]: A.get(k), B["impl"]: B.get(k)}
+    report["pass"] = all(r["pass"] for r in report["per_len"].values())
+    print(f"fidelity check (tie <= {a.tie_tol} nats, prompt mean <= {a.mean_tol}): "
+          f"{'PASS' if report['pass'] else 'FAIL'}")
     if a.out:
         Path(a.out).write_text(json.dumps(report, indent=1))
     print(json.dumps({k: report[k] for k in ("startup_s", "total_s", "model_class")}, indent=1))
@@ -231,6 +243,10 @@ def main() -> None:
     s.add_argument("--ckpt")
     s.add_argument("--out")
     s.add_argument("--labels", help="A,B: names for the two runs (default: their impl)")
+    s.add_argument("--tie-tol", type=float, default=0.1,
+                   help="PASS needs, at the first divergence, each side's logprob gap between its token and the "
+                        "other's <= this (a near tie; gaps exceed it when the other token is outside the top 5)")
+    s.add_argument("--mean-tol", type=float, default=0.05, help="PASS needs mean |d logprob| over the prompt <= this")
     a = p.parse_args()
     {"prompts": cmd_prompts, "run": cmd_run, "compare": cmd_compare}[a.cmd](a)
 
