@@ -124,6 +124,26 @@ def test_sparse_attention_indexed(device, dtype, split, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sparse_attention_gathered(device, dtype):
+    """Decode path: each query's own gathered rows; invalid rows hold NaN and must not leak."""
+    from kernels_nvidia import ops as kn
+    _skip_interp_bf16_dot(device, dtype)
+    _seed()
+    t, h, k = (3, 16, 40) if _small(device) else (256, 64, 640)
+    q = torch.randn(t, h, 512, device=device).to(dtype)
+    keys = (torch.randn(t, k, 512, device=device) * 0.5).to(dtype)
+    valid = torch.rand(t, k, device=device) < 0.7
+    valid[0] = False
+    keys[~valid] = float("nan")
+    sink = torch.randn(h, device=device)
+    out = kn.sparse_attention_gathered(q, keys, valid, sink, 0.044)
+    want = ref.sparse_attention_gathered(q.cpu(), keys.cpu(), valid.cpu(), sink.cpu(), 0.044)
+    err = _rel(out, want)
+    print(f"sparse_attention_gathered {dtype}: rel err {err:.2e}")
+    assert err < BOUND[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads_as_rows", [True, False])
 def test_indexer_scores(device, dtype, heads_as_rows, monkeypatch):
     from kernels_nvidia import indexer as kidx
