@@ -152,7 +152,10 @@ def index_query_roundtrip(q: torch.Tensor) -> torch.Tensor:
     return fp8_block_roundtrip(q, q.shape[-1], 1e-4)
 
 
-def act_roundtrip(x: torch.Tensor, block: int = 128) -> torch.Tensor:
+def act_roundtrip(x: torch.Tensor, block: int = 128, bf16_first: bool = True) -> torch.Tensor:
     """DeepGEMM W8A8 activation quantiser (V4 FP8 block linears): per token, per `block` input elements,
-    UE8M0 scale, eps 1e-10. x: [..., K] -> same shape/dtype."""
-    return fp8_block_roundtrip(x, block, 1e-10)
+    UE8M0 scale, eps 1e-10. x: [..., K] -> same shape/dtype.
+
+    For the grouped ``wo_a`` input vLLM quantises the fp32 result of the inverse RoPE directly (no BF16
+    rounding in between): pass the fp32 tensor with ``bf16_first=False``."""
+    return fp8_block_roundtrip(x, block, 1e-10, bf16_first=bf16_first)
