@@ -44,6 +44,13 @@ Sources (paths relative to ``site-packages/vllm/``, v0.32.0):
   streams are BF16, hence exact in TF32; only the fp32 ``fn`` loses its low 13 mantissa bits. Simulated
   by truncation (what an MMA does with fp32 bits it reads as TF32); the kernel source (DeepGEMM, compiled)
   was not read, so round-to-nearest is possible too.
+* Not simulated (see the parity report): FlashMLA's BF16 rounding of softmax probabilities before P.V; the
+  DeepGEMM FP8 MMA's limited-precision accumulation inside each 128-K block; V4 decode-sized batches
+  (< 32 tokens), where the FP8 linears switch to FlashInfer's swapAB GEMM (BF16 input, quantised inside the
+  compiled kernel, recipe not visible) and mHC to the fused post+pre kernel that takes its coefficients
+  from the fp32 residual before BF16 rounding, in plain fp32 FMA
+  (``model_executor/kernels/linear/scaled_mm/flashinfer.py:301``,
+  ``model_executor/kernels/mhc/tilelang_kernels.py:64, 668-760``).
 * Routed experts (both families): ``MARLIN`` MXFP4 backend = W4A16, activations stay BF16
   (``VLLM_MARLIN_INPUT_DTYPE`` unset, ``quantization/utils/marlin_utils.py:720``): nothing to simulate.
 """
