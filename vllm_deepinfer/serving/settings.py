@@ -9,6 +9,7 @@ always accepted: it asks for what the plugin does anyway.
 |---|---|
 | `DEEPINFER_HF_MODEL_DIR` | mapped: the model path. `vllm serve` with no model argument serves it; `default_model()` gives it to offline code; must be a directory with `config.json`. An explicit model argument wins (warning when they differ). |
 | `DEEPINFER_ACCELERATOR` | honoured as a check: `cuda`/`nvidia`/`gpu`, `ascend`/`npu`, `cpu` must match vLLM's platform, else start-up fails naming both. vLLM picks the platform itself. |
+| `DEEPINFER_NUMERICS` | honoured: `exact` (default) or `parity` (simulate vLLM in-tree SM90 FP8 KV records, FP8 index q/k and V4 FP8 linear activations; or a comma-separated subset `kv,index_k,index_q,act`); read once at model construction (`vllm_deepinfer/ops/quant.py`). An unknown value stops start-up. |
 | `DEEPINFER_BATCH_INVARIANT` | rejected when on: the batch-invariant, per-request-seeded sampler is not in the plugin yet. vLLM's `VLLM_BATCH_INVARIANT=1` is not an equivalent (different kernels/sampler, no DeepInfer bitwise guarantee), so it is not silently substituted. |
 | `DEEPINFER_ENABLE_MTP_VARLEN` | rejected when on: DSpark/MTP variable-length drafting is not in the plugin yet (vLLM equivalent will be `--speculative-config`). |
 | `DEEPINFER_USE_NEXTN_DECODE` | rejected when on: NextN (MTP) decode is speculative decoding, not in the plugin yet (`--speculative-config`). |
@@ -42,7 +43,7 @@ class DeepInferSettingError(RuntimeError):
 @dataclass(frozen=True)
 class Setting:
     name: str
-    action: str  # "mapped" | "check" | "reject"
+    action: str  # "mapped" | "check" | "honoured" | "reject"
     vllm_equivalent: str
     reason: str
 
@@ -54,6 +55,9 @@ SETTINGS: dict[str, Setting] = {
                 "the HF-format checkpoint directory to serve"),
         Setting("DEEPINFER_ACCELERATOR", "check", "vLLM platform detection (current_platform)",
                 "vLLM chooses the device itself; the setting is verified against it"),
+        Setting("DEEPINFER_NUMERICS", "honoured", "none (vLLM's in-tree models always quantise KV/index/activations)",
+                "numerics of the torch model: exact (BF16/fp32 KV and activations, default) or parity "
+                "(quantise-dequantise like vLLM's in-tree SM90 path)"),
         Setting("DEEPINFER_BATCH_INVARIANT", "reject", "none yet (VLLM_BATCH_INVARIANT is not equivalent)",
                 "the batch-invariant, per-request-seeded sampler is not implemented in vllm-deepinfer yet"),
         Setting("DEEPINFER_ENABLE_MTP_VARLEN", "reject", "--speculative-config (future)",
@@ -96,6 +100,15 @@ def check(environ: dict[str, str] | None = None, platform_device: str | None = N
                 errors.append(f"DEEPINFER_HF_MODEL_DIR={value!r} is not a checkpoint directory (no config.json)")
             else:
                 notes.append(f"{name}: model path {value}")
+        elif name == "DEEPINFER_NUMERICS":
+            from vllm_deepinfer.ops.quant import parse_mode
+
+            try:
+                parts = parse_mode(value)
+            except ValueError as e:
+                errors.append(str(e))
+            else:
+                notes.append(f"{name}: " + ("parity " + ",".join(sorted(parts)) if parts else "exact"))
         elif name == "DEEPINFER_ACCELERATOR":
             if _is_off(value) or value.strip().lower() == "auto":
                 continue
