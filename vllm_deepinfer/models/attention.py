@@ -18,6 +18,7 @@ from vllm_deepinfer.models.indexer import Indexer
 from vllm_deepinfer.models.layers import Linear, RMSNorm, _param
 from vllm_deepinfer.models.rope import RotaryTable
 from vllm_deepinfer.models.step import RequestSpan, StepBatch
+from vllm_deepinfer.ops import quant
 
 
 class Attention(nn.Module):
@@ -37,6 +38,8 @@ class Attention(nn.Module):
         self.wo_b = Linear(arch.o_groups * arch.o_lora_rank, arch.hidden_size)
         self.attn_sink = _param(h, dtype=torch.float32)
         dtype = torch.get_default_dtype()
+        self.parity_kv = quant.enabled("kv")
+        self.parity_wo_a = arch.family == V4 and quant.enabled("act")
         self.window_cache = PagedCache(f"{prefix}.window_cache", d, dtype, page_bytes, window=arch.window)
         self.compressor = self.compressed_cache = self.indexer = None
         if plan.owns_compressor:
@@ -60,6 +63,8 @@ class Attention(nn.Module):
             q = ops.rms_norm(q, None, self.eps)
         q = ops.apply_rope(q, cos, sin)
         kv = ops.apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
+        if self.parity_kv:  # fp8_ds_mla window record
+            kv = quant.kv_record_roundtrip(kv, rope_dim=2 * cos.shape[-1])
         if not batch.has_cache:  # vLLM dummy/profiling run: no cache to attend to
             return torch.zeros_like(x)
         if self.compressor is not None:
@@ -71,13 +76,16 @@ class Attention(nn.Module):
             selected = batch.topk[self.plan.index_source]
         if batch.decode:
             out = self._attend_decode(q, kv, batch, selected)
+        else:
+            out = torch.zeros_like(q)  # rows outside every span (padding) stay defined
+            for span in batch:
+                out[span.start:span.end] = self._attend(q[span.start:span.end], kv[span.start:span.end], span, batch,
+                                                        None if selected is None else selected[span.start:span.end])
+        if self.parity_wo_a:  # V4 fp8_einsum wo_a input: fp32 inverse RoPE, then per head 1x128 UE8M0
+            out = quant.act_roundtrip(ops.apply_rope(out.float(), cos, sin, inverse=True), 128,
+                                      bf16_first=False).to(out.dtype)
+        else:
             out = ops.apply_rope(out, cos, sin, inverse=True)
-            return ops.grouped_output(out, self.wo_a.weight, self.wo_b.weight, self.groups)
-        out = torch.zeros_like(q)  # rows outside every span (padding) stay defined
-        for span in batch:
-            out[span.start:span.end] = self._attend(q[span.start:span.end], kv[span.start:span.end], span,
-                                                    batch, None if selected is None else selected[span.start:span.end])
-        out = ops.apply_rope(out, cos, sin, inverse=True)
         return ops.grouped_output(out, self.wo_a.weight, self.wo_b.weight, self.groups)
 
     def _compress(self, x: torch.Tensor, batch: StepBatch) -> None:
@@ -86,6 +94,8 @@ class Attention(nn.Module):
         for c in closed:
             cos, sin = self.rope.cos_sin(c.groups * self.plan.ratio)
             rows = ops.apply_rope(c.latent, cos, sin)
+            if self.parity_kv:  # fp8_ds_mla compressed record
+                rows = quant.kv_record_roundtrip(rows, rope_dim=2 * cos.shape[-1])
             self.compressed_cache.write(batch.meta(self.compressed_cache), c.req, c.groups, rows, keep=c.keep)
         if self.indexer is not None and self.indexer.key_cache is not None:
             self.indexer.write_keys(x, batch, latents=closed)

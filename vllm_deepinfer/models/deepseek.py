@@ -31,11 +31,12 @@ from vllm_deepinfer.config import V4, V41, ArchConfig
 from vllm_deepinfer.log import get_logger
 from vllm_deepinfer.models.attention import Attention
 from vllm_deepinfer.models.engram import Engram, EngramHasher, write_token_history
-from vllm_deepinfer.models.layers import HyperConnection, RMSNorm, _param
+from vllm_deepinfer.models.layers import HyperConnection, RMSNorm, _param, enable_activation_quant
 from vllm_deepinfer.models.loader import load_checkpoint
 from vllm_deepinfer.models.rope import RotaryTable
 from vllm_deepinfer.models.step import StepBatch
 from vllm_deepinfer.moe.layer import MoE
+from vllm_deepinfer.ops import quant
 
 logger = get_logger(__name__)
 
@@ -146,7 +147,11 @@ class DeepseekForCausalLM(nn.Module):
             raise ValueError(f"{type(self).__name__} runs {self.family} checkpoints, got a {self.arch.family} config")
         logger.info("vllm-deepinfer plugin model %s (%s, %d layers, ops: %s)", type(self).__name__,
                     self.arch.family, self.arch.num_layers, ops.backend_for(torch.empty(0, device=vllm_config.device_config.device)))
+        numerics = quant.configure()
         self.model = DeepseekModel(vllm_config, self.arch, prefix="model")
+        if self.arch.family == V4 and quant.enabled("act"):
+            enable_activation_quant(self.model)
+        logger.info("vllm-deepinfer numerics: %s", "parity " + ",".join(sorted(numerics)) if numerics else "exact")
         self.lm_head = ParallelLMHead(self.arch.vocab_size, self.arch.hidden_size, prefix="lm_head")
         self.logits_processor = LogitsProcessor(self.arch.vocab_size)
 

@@ -19,6 +19,7 @@ from vllm_deepinfer.models.compressor import Compressor
 from vllm_deepinfer.models.layers import Linear, RMSNorm
 from vllm_deepinfer.models.rope import RotaryTable
 from vllm_deepinfer.models.step import StepBatch
+from vllm_deepinfer.ops import quant
 
 
 class Indexer(nn.Module):
@@ -27,6 +28,7 @@ class Indexer(nn.Module):
         self.plan, self.rope = plan, rope
         self.n_heads, self.head_dim, self.topk = arch.index_n_heads, arch.index_head_dim, arch.index_topk
         self.ratio = plan.ratio
+        self.parity_k, self.parity_q = quant.enabled("index_k"), quant.enabled("index_q")
         self.weight_scale = self.head_dim ** -0.5 * self.n_heads ** -0.5
         self.block_rows, self.n_blocks = arch.candidate_block_size, arch.candidate_topk_blocks
         self.candidate_layer = arch.candidate_source_layer_id
@@ -59,6 +61,8 @@ class Indexer(nn.Module):
                 latent = self.k_norm(self.wk(latent.to(self.wk.weight.dtype)).float())
             cos, sin = self.rope.cos_sin(c.groups * self.ratio)
             keys = ops.apply_rope(latent, cos, sin)
+            if self.parity_k:  # FP8 index K cache, one pow2 scale per row
+                keys = quant.index_key_roundtrip(keys)
             self.key_cache.write(batch.meta(self.key_cache), c.req, c.groups, keys, keep=c.keep)
 
     # -- selection -------------------------------------------------------------------------------
@@ -68,6 +72,8 @@ class Indexer(nn.Module):
         q = self.wq_b(cq).view(t, self.n_heads, self.head_dim)
         cos, sin = batch.token_cos_sin(self.rope)
         q = ops.apply_rope(q, cos, sin)
+        if self.parity_q:  # FP8 index q, one pow2 scale per (token, head)
+            q = quant.index_query_roundtrip(q)
         w = self.weights_proj(x).float() * self.weight_scale
         dev = x.device
         if batch.decode:

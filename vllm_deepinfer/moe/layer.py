@@ -67,5 +67,10 @@ class MoE(nn.Module):
         y = ops.routed_experts(x, ids, weights, self.experts.w13, self.experts.w2, self.limit)
         if self.shared_experts is not None:
             s = self.shared_experts
-            y = y + ops.swiglu_clamped(x, s.w1.weight, s.w3.weight, s.w2.weight, self.limit)
+            if s.w1.act_block is not None:  # parity: W8A8 through the Linears (inputs quantised per 1x128)
+                a = s.w1(x).float().clamp(max=self.limit)
+                b = s.w3(x).float().clamp(-self.limit, self.limit)
+                y = y + s.w2((torch.nn.functional.silu(a) * b).to(x.dtype))
+            else:
+                y = y + ops.swiglu_clamped(x, s.w1.weight, s.w3.weight, s.w2.weight, self.limit)
         return y
