@@ -69,6 +69,7 @@ vllm_session() {  # BUDGET_S
 ours_bench() {  # BUDGET_S
   local budget=$1 t0=$SECONDS
   vllm_env
+  python3 -m pytest -q -s -p no:cacheprovider tests/gpu -k "gathered or indexed" 2>&1 | grep -E "rel err|passed|failed"
   $BENCH --only ours --profile --timeout $((budget - 15)) > "$OUT/bench_ours.out" 2>&1
   tail -60 "$OUT/bench_ours.out"
   echo "ours bench done t=$((SECONDS - t0)) s"
