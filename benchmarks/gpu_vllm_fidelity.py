@@ -207,7 +207,7 @@ def cmd_compare(a) -> None:
                       f"{r['prompt_tok_logprob_vs_ref']['max']:.4g} mean {r['prompt_tok_logprob_vs_ref']['mean']:.4g}")
     for k in ("startup_s", "total_s", "model_class", "device", "torch"):
         report[k] = {A["impl"]: A.get(k), B["impl"]: B.get(k)}
-    report["pass"] = all(r["pass"] for r in report["per_len"].values())
+    report["pass"] = bool(report["per_len"]) and all(r["pass"] for r in report["per_len"].values())  # no data: FAIL
     print(f"fidelity check (tie <= {a.tie_tol} nats, prompt mean <= {a.mean_tol}): "
           f"{'PASS' if report['pass'] else 'FAIL'}")
     if a.out:

@@ -59,7 +59,7 @@ class EngramHasher(nn.Module):
         history_valid: same shape, False before the sequence start. Returns [..., n, (max_ngram-1) * n_heads].
         """
         k = self.max_ngram
-        ids = self.token_map[history.long().clamp(min=0)]
+        ids = self.token_map[history.long().clamp(0, self.token_map.numel() - 1)]  # padding rows may hold anything
         is_image = (history >= self.image_token_id) & (history < self.image_token_id + IMAGE_TOKEN_SPAN)
         dead = ~history_valid | (is_image if self.image_token_id >= 0 else torch.zeros_like(is_image))
         n = history.shape[-1] - (k - 1)

@@ -130,7 +130,7 @@ class Indexer(nn.Module):
         padded = torch.nn.functional.pad(scores, (0, nb * self.block_rows - n_rows), value=float("-inf"))
         block_scores = padded.view(n, nb, self.block_rows).amax(-1)
         newest = ((n_valid - 1) // self.block_rows).clamp(min=0)
-        block_scores[torch.arange(n, device=scores.device), newest] = float("inf")
+        block_scores.scatter_(1, newest.unsqueeze(1), float("inf"))
         return ops.topk_rows(block_scores, self.n_blocks)
 
     def _restrict_to_blocks(self, scores: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
