@@ -16,8 +16,8 @@ CPU smoke test (no GPU; the plugin only, tiny preset, small sizes; ~1-2 min):
 
 What is measured (warm-up runs excluded; median of --reps timed runs, each with fresh random prompt ids):
   prefill   for each N in --prefill-tokens: N // P prompts of P = min(N, --prompt-len) random token ids, submitted
-            as one `llm.generate` with max_tokens=1 (engine token budget max_num_batched_tokens = max N, so one
-            scheduler step). Reported: uncached input tok/s = N / wall time of the call.
+            as one `llm.generate` with max_tokens=1 (engine token budget max_num_batched_tokens = max of N and
+            B * --decode-prompt-len, so one scheduler step). Reported: uncached input tok/s = N / wall time of the call.
   decode    for each B in --decode-batches: B prompts of --decode-prompt-len ids; time T(max_tokens=D) and
             T(max_tokens=1) with the same batch shape; output tok/s = B * (D - 1) / (T(D) - T(1)), i.e. the
             prefill (and first token) is subtracted. Also reported: the plain B * D / T(D).
@@ -113,7 +113,9 @@ def worker(a) -> None:
            "prefill": {}, "decode": {}}
     out = Path(a.result)
     max_seqs = max(decode_bs + [max(1, n // min(n, a.prompt_len)) for n in prefill_ns])
-    budget = max(prefill_ns + [a.decode_prompt_len])
+    # one scheduler step holds every prefill and every decode batch's prompts, so T(D) - T(1) spans only
+    # uniform decode steps (a mixed prefill+decode step would be counted as decode otherwise)
+    budget = max(prefill_ns + [b * a.decode_prompt_len for b in decode_bs])
     kwargs = dict(model=a.model, load_format="dummy", dtype=a.dtype, enforce_eager=a.enforce_eager,
                   max_model_len=a.max_model_len, max_num_batched_tokens=budget, max_num_seqs=max_seqs, seed=0,
                   enable_prefix_caching=False, gpu_memory_utilization=a.gpu_mem, trust_remote_code=False,
