@@ -101,3 +101,25 @@ def test_readme_demo_with_spawned_engine(tmp_path):
     assert any(line.startswith("chat output: ") for line in lines), out.stdout[-3000:]
     marker = json.loads((tmp_path / "demo-tiny-v4.1-flash" / ".deepinfer_checkpoint.json").read_text())
     assert marker["arch"] == "v4.1-flash"
+
+
+def test_decode_only_cuda_graphs_for_plugin_architectures():
+    """Our architectures get FULL_DECODE_ONLY (never breakable/piecewise capture of prefill); NONE stays NONE."""
+    from types import SimpleNamespace
+
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+
+    from vllm_deepinfer import plugin
+
+    plugin.register()
+    for arch in ("DeepseekV4ForCausalLM", "DeepseekV41ForCausalLM"):
+        hook = MODELS_CONFIG_MAP[arch]
+        for asked, want in ((None, CUDAGraphMode.FULL_DECODE_ONLY),
+                            (CUDAGraphMode.FULL_AND_PIECEWISE, CUDAGraphMode.FULL_DECODE_ONLY),
+                            (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL_DECODE_ONLY),
+                            (CUDAGraphMode.NONE, CUDAGraphMode.NONE)):
+            cfg = SimpleNamespace(compilation_config=SimpleNamespace(cudagraph_mode=asked))
+            hook.verify_and_update_config(cfg)
+            assert cfg.compilation_config.cudagraph_mode == want, (arch, asked)
+    assert MODELS_CONFIG_MAP["DeepseekV32ForCausalLM"].__name__ == "DeepseekV32ForCausalLM"

@@ -27,3 +27,4 @@ def apply_all() -> None:
     importlib.import_module("vllm_deepinfer.patches.so_args_request").apply()
     importlib.import_module("vllm_deepinfer.patches.empty_messages").apply()
     importlib.import_module("vllm_deepinfer.patches.xgrammar_token_cache").apply()
+    importlib.import_module("vllm_deepinfer.patches.decode_cudagraphs").apply()
