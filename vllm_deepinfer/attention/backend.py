@@ -49,6 +49,7 @@ class PagedCacheMetadata:
 
 class PagedCacheMetadataBuilder(AttentionMetadataBuilder[PagedCacheMetadata]):
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    reorder_batch_threshold: ClassVar[int | None] = 1  # one-token requests first: the model's fixed-shape prefix
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)

@@ -74,10 +74,15 @@ class Attention(nn.Module):
             selected = self.indexer(x, cq, batch)
         elif self.plan.index_source is not None:
             selected = batch.topk[self.plan.index_source]
-        if batch.decode:
-            out = self._attend_decode(q, kv, batch, selected)
+        nd = batch.n_dec
+        if nd:
+            dec = self._attend_decode(q[:nd], kv[:nd], batch, None if selected is None else selected[:nd])
+        if nd and nd == t:
+            out = dec
         else:
             out = torch.zeros_like(q)  # rows outside every span (padding) stay defined
+            if nd:
+                out[:nd] = dec
             for span in batch:
                 out[span.start:span.end] = self._attend(q[span.start:span.end], kv[span.start:span.end], span, batch,
                                                         None if selected is None else selected[span.start:span.end])
@@ -131,14 +136,14 @@ class Attention(nn.Module):
 
     def _attend_decode(self, q: torch.Tensor, kv: torch.Tensor, batch: StepBatch,
                        selected: torch.Tensor | None) -> torch.Tensor:
-        """One query per request (fixed shapes, no host sync). q: [T, H, d]; kv: [T, d] -> [T, H, d].
+        """The one-token requests (fixed shapes, no host sync). q: [n_dec, H, d]; kv: [n_dec, d] -> [n_dec, H, d].
 
         Keys are gathered per query: its last W window rows, then its selected compressed rows
         (HCA: every row up to max_model_len / m, masked to the visible ones).
         """
         meta = batch.meta(self.window_cache)
         dev, req = q.device, batch.req.unsqueeze(1)
-        pos = batch.positions.long()
+        pos = batch.dec_positions
         self.window_cache.write(meta, batch.req, pos, kv, keep=batch.live)
         window = pos.unsqueeze(1) - self.window + 1 + torch.arange(self.window, device=dev)      # [T, W]
         keys = [self.window_cache.read(meta, req, window.clamp(min=0))]

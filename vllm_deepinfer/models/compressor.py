@@ -54,27 +54,27 @@ class Compressor(nn.Module):
         """Write this step's token state and pool every group a token of this step closes.
 
         x: [T, D] (the attention input). Returns the closed rows per request (one record for the
-        whole batch on the decode path) — latents still without RoPE, applied at position m * g.
+        one-token requests) — latents still without RoPE, applied at position m * g.
         """
         xf = x.float()
         kv = self.wkv(xf)
-        m = self.ratio
+        m, nd = self.ratio, batch.n_dec
+        pos = batch.dec_positions
         if not self.gated:  # ratio 1: every token is its own group
-            if batch.decode:
-                return [ClosedRows(batch.req, batch.positions.long(), self.norm(kv), batch.live)]
-            return [ClosedRows(span.req, span.pos(x.device), self.norm(kv[span.start:span.end])) for span in batch]
+            out = [ClosedRows(batch.req, pos, self.norm(kv[:nd]), batch.live)] if nd else []
+            return out + [ClosedRows(span.req, span.pos(x.device), self.norm(kv[span.start:span.end]))
+                          for span in batch]
         score = self.wgate(xf)
         if self.ape is not None:
             score = score + self.ape[batch.positions.long() % m]
         state = torch.cat((kv, score), dim=-1)
         meta = batch.meta(self.state_cache)
-        if batch.decode:  # every token pools its group; only tokens that close one keep the row
-            pos = batch.positions.long()
-            self.state_cache.write(meta, batch.req, pos, state, keep=batch.live)
+        out = []
+        if nd:  # one-token requests: each pools its group; only tokens that close one keep the row
+            self.state_cache.write(meta, batch.req, pos, state[:nd], keep=batch.live)
             g = pos // m
             latent = self.norm(self._pool(meta, batch.req.unsqueeze(1), g))
-            return [ClosedRows(batch.req, g, latent, batch.live & ((pos + 1) % m == 0))]
-        out = []
+            out.append(ClosedRows(batch.req, g, latent, batch.live & ((pos + 1) % m == 0)))
         for span in batch:
             pos = span.pos(x.device)
             self.state_cache.write(meta, span.req, pos, state[span.start:span.end])

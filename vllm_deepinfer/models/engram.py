@@ -97,10 +97,8 @@ class Engram(nn.Module):
         if not batch.has_cache:
             return streams
         hasher = self.hasher[0]
-        if batch.decode:  # one token per request: its own history row [T, max_ngram]
-            rows = hasher.hash_ids(self.table, *self.lookback_decode(batch))[:, 0]
-        else:
-            rows = torch.cat([hasher.hash_ids(self.table, *self.lookback(batch, span)) for span in batch])
+        rows = [hasher.hash_ids(self.table, *self.lookback_decode(batch))[:, 0]] if batch.n_dec else []
+        rows = torch.cat(rows + [hasher.hash_ids(self.table, *self.lookback(batch, span)) for span in batch])
         emb = self.embed(rows).flatten(1)                                     # [T, cols * d]
         kv = self.wkv(emb.to(self.wkv.weight.dtype)).view(-1, self.hc + 1, self.hidden)
         keys, value = kv[:, : self.hc], kv[:, self.hc]
@@ -124,9 +122,9 @@ class Engram(nn.Module):
         return torch.where(valid, ids, 0), valid
 
     def lookback_decode(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode path: each token's id and the max_ngram-1 before it, [T, max_ngram] each."""
+        """One-token requests: each token's id and the max_ngram-1 before it, [n_dec, max_ngram] each."""
         k = self.hasher[0].max_ngram
-        pos = batch.positions.long().unsqueeze(1) - (k - 1) + torch.arange(k, device=batch.positions.device)
+        pos = batch.dec_positions.unsqueeze(1) - (k - 1) + torch.arange(k, device=batch.positions.device)
         valid = pos >= 0
         ids = self.history.read(batch.meta(self.history), batch.req.unsqueeze(1), pos.clamp(min=0))[..., 0]
         return torch.where(valid, ids, 0), valid
@@ -153,10 +151,9 @@ def write_token_history(history: PagedCache, batch: StepBatch) -> None:
     """Record this step's token ids in the shared token-history cache (before any Engram layer)."""
     if not batch.has_cache:
         return
-    if batch.decode:
-        ids = batch.token_ids.view(-1, 1).expand(-1, history.width)
-        history.write(batch.meta(history), batch.req, batch.positions.long(), ids, keep=batch.live)
-        return
+    if batch.n_dec:
+        ids = batch.token_ids[: batch.n_dec].view(-1, 1).expand(-1, history.width)
+        history.write(batch.meta(history), batch.req, batch.dec_positions, ids, keep=batch.live)
     for span in batch:
         pos = span.pos(batch.positions.device)
         ids = batch.token_ids[span.start:span.end].view(-1, 1).expand(-1, history.width)

@@ -75,12 +75,20 @@ class Indexer(nn.Module):
         if self.parity_q:  # FP8 index q, one pow2 scale per (token, head)
             q = quant.index_query_roundtrip(q)
         w = self.weights_proj(x).float() * self.weight_scale
-        dev = x.device
-        if batch.decode:
-            return self._select_decode(q, w, batch)
-        ids = torch.full((t, self.topk), -1, dtype=torch.long, device=dev)
-        cand_out = torch.full((t, max(self.n_blocks, 1)), -1, dtype=torch.long, device=dev) if self.plan.candidate_source else None
+        dev, nd = x.device, batch.n_dec
         cands = batch.candidates.get(self.candidate_layer) if self.plan.candidate_consumer else None
+        if nd:
+            dec_ids, dec_cands = self._select_decode(q[:nd], w[:nd], batch, None if cands is None else cands[:nd])
+        if nd and nd == t:  # uniform decode: fixed shapes only
+            ids, cand_out = dec_ids, dec_cands
+        else:
+            ids = torch.full((t, self.topk), -1, dtype=torch.long, device=dev)
+            cand_out = (torch.full((t, max(self.n_blocks, 1)), -1, dtype=torch.long, device=dev)
+                        if self.plan.candidate_source else None)
+            if nd:
+                ids[:nd] = dec_ids
+                if cand_out is not None:
+                    cand_out[:nd] = dec_cands
         for span in batch:
             pos = batch.positions[span.start:span.end].long()
             n_valid = (pos + 1) // self.ratio                       # rows visible to each token [n]
@@ -106,22 +114,23 @@ class Indexer(nn.Module):
             batch.candidates[self.plan.layer_id] = cand_out
         return ids
 
-    def _select_decode(self, q: torch.Tensor, w: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        """Fixed-shape selection for one token per request: score every row up to max_model_len / m."""
+    def _select_decode(self, q: torch.Tensor, w: torch.Tensor, batch: StepBatch,
+                       cands: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Fixed-shape selection for the one-token requests: every row up to max_model_len / m is scored.
+
+        q: [n_dec, H_I, d_I]; w: [n_dec, H_I]; cands: published candidate blocks [n_dec, n_blocks] (consumers).
+        Returns ids [n_dec, k] and, for the candidate source, its blocks [n_dec, n_blocks].
+        """
         meta = batch.meta(self.key_source)
-        dev = q.device
-        rows = torch.arange(meta.max_model_len // self.ratio + 1, device=dev)
-        n_valid = (batch.positions.long() + 1) // self.ratio                                # [T]
-        valid = rows.unsqueeze(0) < n_valid.unsqueeze(1)                                     # [T, N]
-        keys = self.key_source.read(meta, batch.req.unsqueeze(1), rows.unsqueeze(0))         # [T, N, d_I]
+        rows = torch.arange(meta.max_model_len // self.ratio + 1, device=q.device)
+        n_valid = (batch.dec_positions + 1) // self.ratio                                  # [n]
+        valid = rows.unsqueeze(0) < n_valid.unsqueeze(1)                                     # [n, N]
+        keys = self.key_source.read(meta, batch.req.unsqueeze(1), rows.unsqueeze(0))         # [n, N, d_I]
         scores = ops.indexer_scores_gathered(q, w, keys).masked_fill(~valid, float("-inf"))
-        if self.plan.candidate_source:
-            batch.candidates[self.plan.layer_id] = self._candidate_blocks(scores, n_valid)
-        if self.plan.candidate_consumer:
-            scores = self._restrict_to_blocks(scores, batch.candidates[self.candidate_layer])
-        ids = ops.topk_rows(scores, self.topk)
-        batch.topk[self.plan.layer_id] = ids
-        return ids
+        blocks = self._candidate_blocks(scores, n_valid) if self.plan.candidate_source else None
+        if cands is not None:
+            scores = self._restrict_to_blocks(scores, cands)
+        return ops.topk_rows(scores, self.topk), blocks
 
     def _candidate_blocks(self, scores: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
         """Block score = max over its rows; the newest valid block is forced. -> [n, n_blocks]."""

@@ -33,15 +33,18 @@ class StepBatch:
     token_ids/positions: [T]; `topk[l]`: [T, k] compressed-row ids selected by index source l
     (-1 = none); `candidates[l]`: [T, n_blocks] candidate block ids published by layer l.
 
-    Decode steps (one token per request: token i is request i) carry no spans: `req` [T] is each
-    token's block-table row and `live` [T] is False for the padding of a captured CUDA graph, and
-    every layer takes its fixed-shape path, which reads no host copy of the batch layout.
+    The first `n_dec` tokens belong to one-token requests (vLLM orders decodes first): token i is
+    request i, and every layer handles them with its fixed-shape path (`req` [n_dec] block-table
+    rows, `live` [n_dec] False for the padding of a captured CUDA graph), which reads no host copy of
+    the batch layout. `spans` are the remaining requests (prefill chunks), handled one by one; a
+    uniform decode step has none and is what vLLM captures as a full CUDA graph.
     """
 
     token_ids: torch.Tensor
     positions: torch.Tensor
-    spans: list[RequestSpan] | None
+    spans: list[RequestSpan]
     attn_metadata: dict[str, PagedCacheMetadata] | None
+    n_dec: int = 0
     req: torch.Tensor | None = None
     live: torch.Tensor | None = None
     topk: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
@@ -53,6 +56,11 @@ class StepBatch:
         """False in vLLM's dummy/profiling runs, which bring no cache metadata."""
         return bool(self.attn_metadata)
 
+    @property
+    def dec_positions(self) -> torch.Tensor:
+        """Positions of the one-token requests, [n_dec] int64."""
+        return self.positions[: self.n_dec].long()
+
     def token_cos_sin(self, table) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of every token's position in rotary `table`, computed once per step and table."""
         if id(table) not in self._rope:
@@ -62,13 +70,7 @@ class StepBatch:
     def meta(self, cache: PagedCache) -> PagedCacheMetadata:
         return self.attn_metadata[cache.prefix]
 
-    @property
-    def decode(self) -> bool:
-        return self.spans is None
-
     def __iter__(self) -> Iterator[RequestSpan]:
-        if self.spans is None:
-            raise RuntimeError("decode steps have no spans: use the fixed-shape path")
         return iter(self.spans)
 
     @classmethod
@@ -81,15 +83,18 @@ class StepBatch:
         if not attn_metadata:
             return cls(token_ids, positions, [], None)
         meta = next(iter(attn_metadata.values()))
-        t = token_ids.shape[0]
-        if meta.decode and meta.block_table.shape[0] >= t:
+        t, dev = token_ids.shape[0], token_ids.device
+        if meta.decode and meta.block_table.shape[0] >= t:  # uniform decode, possibly graph-padded
             n = min(t, meta.seq_lens.shape[0])
-            live = torch.zeros(t, dtype=torch.bool, device=token_ids.device)
+            live = torch.zeros(t, dtype=torch.bool, device=dev)
             live[:n] = meta.seq_lens[:n] > 0
-            req = torch.arange(t, device=token_ids.device)
-            return cls(token_ids, positions, None, attn_metadata, req=req, live=live)
-        qsl = meta.query_start_loc[: meta.num_reqs + 1]
+            return cls(token_ids, positions, [], attn_metadata, n_dec=t, req=torch.arange(t, device=dev), live=live)
+        qsl = meta.query_start_loc[: meta.num_reqs + 1]                 # host tensor
+        one = (qsl[1:] - qsl[:-1]) == 1
+        n_dec = int(torch.cumprod(one.long(), 0).sum()) if one.numel() else 0
         firsts = positions[qsl[:-1].clamp(max=max(positions.numel() - 1, 0)).to(positions.device)].tolist()
         qsl = qsl.tolist()
-        spans = [RequestSpan(r, qsl[r], qsl[r + 1], firsts[r]) for r in range(meta.num_reqs) if qsl[r + 1] > qsl[r]]
-        return cls(token_ids, positions, spans, attn_metadata)
+        spans = [RequestSpan(r, qsl[r], qsl[r + 1], firsts[r]) for r in range(n_dec, meta.num_reqs)
+                 if qsl[r + 1] > qsl[r]]
+        return cls(token_ids, positions, spans, attn_metadata, n_dec=n_dec, req=torch.arange(n_dec, device=dev),
+                   live=torch.ones(n_dec, dtype=torch.bool, device=dev))
