@@ -14,7 +14,8 @@ from vllm_deepinfer.ops import quant
 
 #: Linears whose activations vLLM's in-tree V4 path quantises to FP8 (DeepGEMM W8A8, 1x128 UE8M0),
 #: by module-name suffix. The grouped `wo_a` does not go through `Linear.forward` (its call site applies
-#: `quant.act_roundtrip` itself); the shared expert must call its `w1/w3/w2` Linears when `act_block` is set.
+#: `quant.act_roundtrip` itself); `wo_b` and the shared expert's `w1/w3/w2` are called as Linears by their
+#: call sites when `act_block` is set (the fused reference ops take raw weights and would skip the quantiser).
 V4_FP8_ACT_LINEARS = ("attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_b", "indexer.wq_b",
                       "shared_experts.w1", "shared_experts.w2", "shared_experts.w3", "e_proj", "h_proj")
 

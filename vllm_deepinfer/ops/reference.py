@@ -103,12 +103,16 @@ def sparse_attention(q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor,
     return torch.einsum("thn,nd->thd", probs, keys.float()).to(q.dtype)
 
 
-def grouped_output(o: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor, groups: int) -> torch.Tensor:
-    """Grouped low-rank output projection. o: [T, H, d]; wo_a: [G*R, H*d/G]; wo_b: [D, G*R] -> [T, D]."""
+def grouped_low_rank(o: torch.Tensor, wo_a: torch.Tensor, groups: int) -> torch.Tensor:
+    """First half of the grouped output projection. o: [T, H, d]; wo_a: [G*R, H*d/G] -> z [T, G*R]."""
     t = o.shape[0]
     og = o.reshape(t, groups, -1)
-    z = torch.einsum("tgk,grk->tgr", og, wo_a.view(groups, -1, og.shape[-1]))
-    return z.reshape(t, -1) @ wo_b.t()
+    return torch.einsum("tgk,grk->tgr", og, wo_a.view(groups, -1, og.shape[-1])).reshape(t, -1)
+
+
+def grouped_output(o: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor, groups: int) -> torch.Tensor:
+    """Grouped low-rank output projection. o: [T, H, d]; wo_a: [G*R, H*d/G]; wo_b: [D, G*R] -> [T, D]."""
+    return grouped_low_rank(o, wo_a, groups) @ wo_b.t()
 
 
 # ----------------------------------------------------------------------------- compressor
