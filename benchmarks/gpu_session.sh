@@ -6,6 +6,9 @@
 #   bash benchmarks/gpu_session.sh vllm BUDGET_S    # after READY: plugin wheel + tiny-gpu checkpoints, then
 #       in-tree full-width benchmark (foreground) || the plugin's fidelity runs with CUDA graphs (background)
 #   bash benchmarks/gpu_session.sh ours-bench BUDGET_S   # the plugin's full-width benchmark (+ profile), same --out
+#   bash benchmarks/gpu_session.sh memo BUDGET_S    # fidelity on the memorised-head checkpoints (token identity
+#       test): in-tree V4.1 + V4 (eager) || the plugin with CUDA graphs, exact and parity numerics
+#       (needs .gpuwork/head-{v41,v4}.safetensors from benchmarks/memorize_head.py, see NOTES.md)
 #   (then on CPU: python benchmarks/bench_e2e.py --report DIR   -> ours/in-tree table with ratios)
 #
 # Logs and JSON go to $OUT (the device tool brings them back); the last lines printed are a summary.
@@ -39,29 +42,70 @@ vllm_env() {  # plugin wheel first, then env.sh (it puts /root/gpu-env/plugin on
   export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 VLLM_DEEP_GEMM_WARMUP=skip
 }
 
-BENCH="python3 benchmarks/bench_e2e.py --out $OUT/bench_e2e --no-jit-warmup"
+# The device returns at most 8 files per call: logs go to $LOGS and come back as one tarball (pack_logs),
+# benchmark working files stay in /tmp/bench_e2e (only its JSON/log are copied to $OUT).
+LOGS=/tmp/gpu-logs
+mkdir -p "$LOGS"
+BENCH="python3 benchmarks/bench_e2e.py --out /tmp/bench_e2e --no-jit-warmup"
+pack_logs() { tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null; }
+keep_bench() { cp /tmp/bench_e2e/*.json /tmp/bench_e2e/*.log "$OUT/" 2>/dev/null; rm -f "$OUT/results.json"; }
+
+make_checkpoints() {  # tiny-gpu checkpoints (generated here, byte-checked) and their memorised-head copies
+  for a in "v4.1-flash v41" "v4-flash v4"; do
+    set -- $a
+    [ -d .gpuwork/ckpt-$2 ] || python3 -m vllm_deepinfer.tools.make_checkpoint --arch $1 --preset tiny-gpu \
+      --out .gpuwork/ckpt-$2 > "$LOGS/make_$2.log" 2>&1
+  done
+  (cd .gpuwork && sha256sum -c ckpt.sha256) || exit 1
+  for a in v41 v4; do
+    [ -f .gpuwork/head-$a.safetensors ] && [ ! -d .gpuwork/ckpt-${a}m ] && python3 benchmarks/memorize_head.py \
+      .gpuwork/ckpt-$a .gpuwork/ckpt-${a}m --apply .gpuwork/head-$a.safetensors > "$LOGS/memo_$a.log" 2>&1
+  done
+  return 0
+}
+
+memo_session() {  # BUDGET_S: token-identity fidelity on the memorised-head checkpoints
+  local budget=$1 t0=$SECONDS
+  vllm_env
+  make_checkpoints
+  local F="python3 benchmarks/gpu_vllm_fidelity.py run --prompts .gpuwork/prompts.json --kv-bytes 2 --no-jit-warmup
+           --gpu-mem 0.12"
+  local left=$((budget - 20))
+  timeout $left $F --impl intree --text-only --ckpt .gpuwork/ckpt-v41m --out "$OUT/intree_v41m.json" > "$LOGS/i41.log" 2>&1 &
+  timeout $left $F --impl intree --ckpt .gpuwork/ckpt-v4m --out "$OUT/intree_v4m.json" > "$LOGS/i4.log" 2>&1 &
+  for a in v41 v4; do
+    timeout $left $F --impl ours --no-eager --cudagraph-sizes 1,2,4 --ckpt .gpuwork/ckpt-${a}m \
+      --out "$OUT/ours_${a}m.json" > "$LOGS/o$a.log" 2>&1 &
+    DEEPINFER_NUMERICS=parity timeout $left $F --impl ours --no-eager --cudagraph-sizes 1,2,4 \
+      --ckpt .gpuwork/ckpt-${a}m --out "$OUT/oursP_${a}m.json" > "$LOGS/oP$a.log" 2>&1 &
+  done
+  wait
+  for a in v41 v4; do
+    for o in ours oursP; do
+      python3 benchmarks/gpu_vllm_fidelity.py compare "$OUT/${o}_${a}m.json" "$OUT/intree_${a}m.json" 2>&1 | head -4
+    done
+  done
+  pack_logs
+  echo "memo session done t=$((SECONDS - t0)) s"
+}
 
 vllm_session() {  # BUDGET_S
   local budget=$1 t0=$SECONDS
   vllm_env
-  for a in "v4.1-flash v41" "v4-flash v4"; do
-    set -- $a
-    [ -d .gpuwork/ckpt-$2 ] || python3 -m vllm_deepinfer.tools.make_checkpoint --arch $1 --preset tiny-gpu \
-      --out .gpuwork/ckpt-$2 > "$OUT/make_$2.log" 2>&1
-  done
-  (cd .gpuwork && sha256sum -c ckpt.sha256) || exit 1
+  make_checkpoints
   local F="python3 benchmarks/gpu_vllm_fidelity.py run --prompts .gpuwork/prompts.json --kv-bytes 2 --no-jit-warmup
            --gpu-mem 0.12 --impl ours --no-eager --cudagraph-sizes 1,2,4"
-  ( timeout 300 $F --ckpt .gpuwork/ckpt-v41 --out "$OUT/ours_v41.json" > "$OUT/ours_v41.log" 2>&1 &
+  ( timeout 300 $F --ckpt .gpuwork/ckpt-v41 --out "$OUT/ours_v41.json" > "$LOGS/ours_v41.log" 2>&1 &
     DEEPINFER_NUMERICS=parity timeout 300 $F --ckpt .gpuwork/ckpt-v41 --out "$OUT/oursP_v41.json" \
-      > "$OUT/oursP_v41.log" 2>&1 &
+      > "$LOGS/oursP_v41.log" 2>&1 &
     DEEPINFER_NUMERICS=parity timeout 300 $F --ckpt .gpuwork/ckpt-v4 --out "$OUT/oursP_v4.json" \
-      > "$OUT/oursP_v4.log" 2>&1 &
+      > "$LOGS/oursP_v4.log" 2>&1 &
     wait ) &
   local left=$((budget - (SECONDS - t0) - 10))
   $BENCH --only intree --gpu-mem 0.45 --timeout $left > "$OUT/bench_intree.out" 2>&1
   wait
-  grep -h "^\[ours\]" "$OUT"/ours*_v4*.log
+  keep_bench; pack_logs
+  grep -h "^\[ours\]" "$LOGS"/ours*_v4*.log
   tail -20 "$OUT/bench_intree.out"
   echo "vllm session done t=$((SECONDS - t0)) s"
 }
@@ -71,6 +115,7 @@ ours_bench() {  # BUDGET_S
   vllm_env
   python3 -m pytest -q -s -p no:cacheprovider tests/gpu -k "gathered or indexed" 2>&1 | grep -E "rel err|passed|failed"
   $BENCH --only ours --profile --timeout $((budget - 15)) > "$OUT/bench_ours.out" 2>&1
+  keep_bench
   tail -60 "$OUT/bench_ours.out"
   echo "ours bench done t=$((SECONDS - t0)) s"
 }
@@ -80,5 +125,6 @@ case "$mode" in
   stage) bash "$REPO/shared/gpu/receive.sh" "$2" ;;
   vllm) vllm_session "${2:-560}" ;;
   ours-bench) ours_bench "${2:-560}" ;;
-  *) echo "usage: $0 kernels|stage DIR|vllm BUDGET_S|ours-bench BUDGET_S" >&2; exit 2 ;;
+  memo) memo_session "${2:-560}" ;;
+  *) echo "usage: $0 kernels|stage DIR|vllm BUDGET_S|ours-bench BUDGET_S|memo BUDGET_S" >&2; exit 2 ;;
 esac
