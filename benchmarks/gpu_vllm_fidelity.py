@@ -117,6 +117,15 @@ def cmd_run(a) -> None:
         pass
 
 
+def _load(path: str) -> dict:
+    """A run's JSON; `.json.gz` too (the stored results are compressed to keep device transfers small)."""
+    p = Path(path)
+    if p.suffix == ".gz":
+        import gzip
+        return json.loads(gzip.decompress(p.read_bytes()))
+    return json.loads(p.read_text())
+
+
 def _prompt_diffs(ra, rb):
     """Per prompt position: |logprob_a - logprob_b| of the actual next prompt token, max over the union of the
     two top-5 sets present in both dicts, and whether the two top-1 tokens agree."""
@@ -157,7 +166,7 @@ def _ref_check(ref_logits_fn, r):
 
 
 def cmd_compare(a) -> None:
-    A, B = json.loads(Path(a.a).read_text()), json.loads(Path(a.b).read_text())
+    A, B = _load(a.a), _load(a.b)
     ref = None
     if a.ref != "none":
         sys.path.insert(0, str(REPO))
