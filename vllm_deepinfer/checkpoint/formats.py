@@ -15,7 +15,7 @@ Stored formats
 
 Public API (everything else is private)::
 
-    e8m0_to_float(scale) -> fp32                       # decode UE8M0 bytes, reject 0xFF
+    e8m0_to_float(scale) -> fp32                       # decode UE8M0 bytes, reject 0xFF (e8m0_decode: no check)
     float_exponent_to_e8m0(exp) -> e8m0                # integer exponents -> UE8M0 tensor
     fp8_to_float(weight) -> fp32                       # decode E4M3
     dequant_fp8_block(weight, scale, block) -> fp32    # §4.2
@@ -38,7 +38,7 @@ import torch
 
 __all__ = [
     "FP8_DTYPE", "E8M0_DTYPE", "FP8_MAX", "FP4_MAX", "MX_BLOCK", "E2M1_VALUES",
-    "FormatError", "e8m0_to_float", "float_exponent_to_e8m0", "fp8_to_float",
+    "FormatError", "e8m0_decode", "e8m0_to_float", "float_exponent_to_e8m0", "fp8_to_float",
     "dequant_fp8_block", "quant_fp8_block", "dequant_mxfp4", "quant_mxfp4",
     "dequant_fp8_rows", "quant_fp8_rows", "check_no_nan_codes",
 ]
@@ -51,8 +51,6 @@ MX_BLOCK = 32
 #: E2M1 magnitudes of codes 0..7 (bit 3 of a nibble is the sign).
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
-# Exact 2**(b-127) for every byte, NaN for 0xFF (never used: decoders reject it first).
-_E8M0_LUT = torch.tensor([math.ldexp(1.0, b - 127) for b in range(255)] + [float("nan")], dtype=torch.float32)
 # Signed E2M1 value of every nibble 0..15.
 _E2M1_LUT = torch.tensor(list(E2M1_VALUES) + [-v for v in E2M1_VALUES], dtype=torch.float32)
 # Both E2M1 values of every packed byte: row b = (value of low nibble, value of high nibble).
@@ -80,7 +78,13 @@ def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
     b = _as_u8(scale)
     if bool((b == 0xFF).any()):
         raise FormatError("E8M0 scale contains the NaN byte 0xFF")
-    return _E8M0_LUT.to(b.device)[b.long()]
+    return e8m0_decode(b)
+
+
+def e8m0_decode(scale: torch.Tensor) -> torch.Tensor:
+    """UE8M0 bytes -> fp32 ``2**(b-127)`` by torch's own cast, without the 0xFF check: no host round trip
+    (CUDA-graph safe), for tensors validated at load."""
+    return _as_u8(scale).view(E8M0_DTYPE).to(torch.float32)
 
 
 def float_exponent_to_e8m0(exp: torch.Tensor) -> torch.Tensor:
@@ -219,18 +223,21 @@ def quant_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------------------- row FP8
-def dequant_fp8_rows(weight: torch.Tensor, scale: torch.Tensor, group: int = MX_BLOCK) -> torch.Tensor:
+def dequant_fp8_rows(weight: torch.Tensor, scale: torch.Tensor, group: int = MX_BLOCK,
+                     checked: bool = True) -> torch.Tensor:
     """Row-wise FP8 with one E8M0 scale per ``group`` values (Engram tables, §4.4) -> fp32.
 
     ``weight``: E4M3 ``[..., N, d]``; ``scale``: E8M0 ``[..., N, d/group]``. Works on a gathered subset of
-    rows as well (e.g. ``dequant_fp8_rows(table_w[idx], table_s[idx])``).
+    rows as well (e.g. ``dequant_fp8_rows(table_w[idx], table_s[idx])``). ``checked=False`` skips the NaN-code
+    check (a host sync) for tables validated at load.
     """
     d = weight.shape[-1]
     if scale.shape[:-1] != weight.shape[:-1] or scale.shape[-1] * group != d:
         raise FormatError(f"row scale shape {tuple(scale.shape)} does not match weight {tuple(weight.shape)} "
                           f"with group {group}")
     w = fp8_to_float(weight)
-    w.view(*weight.shape[:-1], d // group, group).mul_(e8m0_to_float(scale).unsqueeze(-1))
+    s = e8m0_to_float(scale) if checked else e8m0_decode(scale)
+    w.view(*weight.shape[:-1], d // group, group).mul_(s.unsqueeze(-1))
     return w
 
 

@@ -17,6 +17,7 @@ from torch import nn
 from vllm_deepinfer import ops
 from vllm_deepinfer.attention.caches import PagedCache
 from vllm_deepinfer.checkpoint import engram_hash
+from vllm_deepinfer.checkpoint.formats import dequant_fp8_rows
 from vllm_deepinfer.config import ArchConfig
 from vllm_deepinfer.models.layers import Linear, _param
 from vllm_deepinfer.models.step import RequestSpan, StepBatch
@@ -139,12 +140,9 @@ class EngramTable(nn.Module):
         self.register_buffer("scale", torch.zeros(n_rows, dim // 32, dtype=torch.float8_e8m0fnu), persistent=False)
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows: [T, C] -> [T, C, dim] fp32. Decoded with torch's own E4M3 / E8M0 casts, which need no
-        host round trip (CUDA-graph safe); the loader has rejected NaN codes."""
+        """rows: [T, C] -> [T, C, dim] fp32 (no host round trip: the loader has rejected NaN codes)."""
         flat = rows.flatten()
-        w = self.weight[flat].to(torch.float32)
-        s = self.scale[flat].to(torch.float32)
-        return (w.view(flat.shape[0], s.shape[1], -1) * s.unsqueeze(-1)).view(*rows.shape, -1)
+        return dequant_fp8_rows(self.weight[flat], self.scale[flat], checked=False).view(*rows.shape, -1)
 
 
 def write_token_history(history: PagedCache, batch: StepBatch) -> None:
