@@ -95,7 +95,7 @@ def float_exponent_to_e8m0(exp: torch.Tensor) -> torch.Tensor:
     return (e + 127).to(torch.uint8).view(E8M0_DTYPE)
 
 
-def _ceil_log2(x: torch.Tensor) -> torch.Tensor:
+def ceil_log2(x: torch.Tensor) -> torch.Tensor:
     """Exact ceil(log2(x)) for positive finite float32 x (via frexp, no rounding issues)."""
     mant, exp = torch.frexp(x)  # x = mant * 2**exp, mant in [0.5, 1)
     return torch.where(mant == 0.5, exp - 1, exp).to(torch.int32)
@@ -164,7 +164,7 @@ def quant_fp8_block(w: torch.Tensor, block=128) -> tuple[torch.Tensor, torch.Ten
         padded = w.contiguous()
     blocks = padded.view(nb, bn, kb, bk)
     amax = torch.maximum(blocks.amax(dim=(1, 3)), -blocks.amin(dim=(1, 3)))
-    e = _ceil_log2(torch.clamp(amax, min=math.ldexp(FP8_MAX, -126)) / FP8_MAX).clamp(-127, 127)
+    e = ceil_log2(torch.clamp(amax, min=math.ldexp(FP8_MAX, -126)) / FP8_MAX).clamp(-127, 127)
     inv = torch.ldexp(torch.ones_like(amax), -e)  # exact 2**-e
     scaled = (blocks * inv.view(nb, 1, kb, 1)).view(nb * bn, kb * bk)[:n, :k]
     return _to_fp8_(scaled), float_exponent_to_e8m0(e)
@@ -215,7 +215,7 @@ def quant_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise FormatError(f"MXFP4 needs the input dim to be a multiple of {MX_BLOCK}, got {k}")
     g = w.reshape(*w.shape[:-1], k // MX_BLOCK, MX_BLOCK)
     amax = torch.maximum(g.amax(dim=-1), -g.amin(dim=-1))
-    e = _ceil_log2(torch.clamp(amax, min=math.ldexp(FP4_MAX, -126)) / FP4_MAX).clamp(-127, 127)
+    e = ceil_log2(torch.clamp(amax, min=math.ldexp(FP4_MAX, -126)) / FP4_MAX).clamp(-127, 127)
     scaled = g * torch.ldexp(torch.ones_like(amax), -e).unsqueeze(-1)
     codes = _e2m1_codes(scaled).view(*w.shape[:-1], k)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
@@ -249,7 +249,7 @@ def quant_fp8_rows(w: torch.Tensor, group: int = MX_BLOCK) -> tuple[torch.Tensor
         raise FormatError(f"row FP8 needs the last dim to be a multiple of {group}, got {d}")
     g = w.reshape(*w.shape[:-1], d // group, group)
     amax = g.abs().amax(dim=-1)
-    e = _ceil_log2(torch.clamp(amax, min=math.ldexp(FP8_MAX, -126)) / FP8_MAX).clamp(-127, 127)
+    e = ceil_log2(torch.clamp(amax, min=math.ldexp(FP8_MAX, -126)) / FP8_MAX).clamp(-127, 127)
     q = _to_fp8_(g * torch.ldexp(torch.ones_like(amax), -e).unsqueeze(-1))
     return q.reshape(w.shape), float_exponent_to_e8m0(e)
 

@@ -8,11 +8,14 @@ clamped SwiGLU. Routed experts are stacked: w13 [E, 2I, D] (w1 rows then w3 rows
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
 from vllm_deepinfer import ops
 from vllm_deepinfer.models.layers import Linear, _param
+from vllm_deepinfer.ops import quant
 
 IMAGE_TOKEN_SPAN = 5  # ids [image_token_id, +5) route with bias_vl (vLLM's range, spec §7 Q17)
 
@@ -67,10 +70,8 @@ class MoE(nn.Module):
         y = ops.routed_experts(x, ids, weights, self.experts.w13, self.experts.w2, self.limit)
         if self.shared_experts is not None:
             s = self.shared_experts
-            if s.w1.act_block is not None:  # parity: W8A8 through the Linears (inputs quantised per 1x128)
-                a = s.w1(x).float().clamp(max=self.limit)
-                b = s.w3(x).float().clamp(-self.limit, self.limit)
-                y = y + s.w2((torch.nn.functional.silu(a) * b).to(x.dtype))
-            else:
-                y = y + ops.swiglu_clamped(x, s.w1.weight, s.w3.weight, s.w2.weight, self.limit)
+            act = None
+            if s.w1.act_block is not None:  # parity: W8A8, both GEMM inputs quantised per 1x128
+                act = functools.partial(quant.act_roundtrip, block=s.w1.act_block)
+            y = y + ops.swiglu_clamped(x, s.w1.weight, s.w3.weight, s.w2.weight, self.limit, act=act)
         return y

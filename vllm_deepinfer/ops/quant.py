@@ -71,7 +71,8 @@ import os
 
 import torch
 
-FP8_MAX = 448.0
+from vllm_deepinfer.checkpoint.formats import FP8_MAX, ceil_log2
+
 ENV = "DEEPINFER_NUMERICS"
 
 #: Components of parity mode. ``act`` applies to V4 only (see module docstring).
@@ -115,9 +116,7 @@ def enabled(component: str) -> bool:
 def pow2_scale(amax: torch.Tensor, floor: float, qmax: float = FP8_MAX) -> torch.Tensor:
     """2 ** ceil(log2(max(amax, floor) / qmax)) in fp32, computed exactly (frexp, no log2 rounding)."""
     r = torch.clamp(amax.float(), min=floor) / qmax
-    m, e = torch.frexp(r)                      # r = m * 2**e, m in [0.5, 1)
-    e = torch.where(m == 0.5, e - 1, e)        # exact powers of two keep their exponent
-    return torch.ldexp(torch.ones_like(r), e)
+    return torch.ldexp(torch.ones_like(r), ceil_log2(r))
 
 
 def e4m3_round(x: torch.Tensor) -> torch.Tensor:

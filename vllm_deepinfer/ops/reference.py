@@ -97,10 +97,14 @@ def sparse_attention(q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor,
     The sink is a virtual key with logit sink_h and value 0 (model-spec §3.4). Returns [T, H, d].
     """
     scores = torch.einsum("thd,nd->thn", q.float(), keys.float()) * scale
-    scores = scores.masked_fill(~allowed.unsqueeze(1), float("-inf"))
-    sink_col = sink.float().view(1, -1, 1).expand(scores.shape[0], -1, 1)
-    probs = torch.softmax(torch.cat((scores, sink_col), dim=-1), dim=-1)[..., :-1]
+    probs = _sink_softmax(scores.masked_fill(~allowed.unsqueeze(1), float("-inf")), sink)
     return torch.einsum("thn,nd->thd", probs, keys.float()).to(q.dtype)
+
+
+def _sink_softmax(scores: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """Softmax over the keys plus one virtual sink key of logit sink_h (value 0). scores: [T, H, N] fp32."""
+    sink_col = sink.float().view(1, -1, 1).expand(scores.shape[0], -1, 1)
+    return torch.softmax(torch.cat((scores, sink_col), dim=-1), dim=-1)[..., :-1]
 
 
 def grouped_low_rank(o: torch.Tensor, wo_a: torch.Tensor, groups: int) -> torch.Tensor:
@@ -171,11 +175,15 @@ def sqrtsoftplus_route(logits: torch.Tensor, bias: torch.Tensor | None, topk: in
 
 
 def swiglu_clamped(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
-                   limit: float) -> torch.Tensor:
-    """Clamped SwiGLU expert: (silu(min(x w1, l)) * clamp(x w3, -l, l)) w2. x: [T, D] -> [T, D]."""
-    a = (x @ w1.t()).float().clamp(max=limit)
-    b = (x @ w3.t()).float().clamp(-limit, limit)
-    return (F.silu(a) * b).to(x.dtype) @ w2.t()
+                   limit: float, act=None) -> torch.Tensor:
+    """Clamped SwiGLU expert: (silu(min(x w1, l)) * clamp(x w3, -l, l)) w2. x: [T, D] -> [T, D].
+
+    `act`: optional function applied to each GEMM input (parity numerics: FP8 activation round trip)."""
+    act = act or (lambda t: t)
+    xa = act(x)
+    a = (xa @ w1.t()).float().clamp(max=limit)
+    b = (xa @ w3.t()).float().clamp(-limit, limit)
+    return act((F.silu(a) * b).to(x.dtype)) @ w2.t()
 
 
 def _grouped_mm_takes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
@@ -257,9 +265,7 @@ def sparse_attention_gathered(q: torch.Tensor, keys: torch.Tensor, valid: torch.
     """
     keys = torch.where(valid.unsqueeze(-1), keys.float(), 0.0)
     scores = torch.einsum("thd,tkd->thk", q.float(), keys) * scale
-    scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
-    sink_col = sink.float().view(1, -1, 1).expand(scores.shape[0], -1, 1)
-    probs = torch.softmax(torch.cat((scores, sink_col), dim=-1), dim=-1)[..., :-1]
+    probs = _sink_softmax(scores.masked_fill(~valid.unsqueeze(1), float("-inf")), sink)
     return torch.einsum("thk,tkd->thd", probs, keys).to(q.dtype)
 
 
