@@ -9,6 +9,8 @@
 #   bash benchmarks/gpu_session.sh memo BUDGET_S    # fidelity on the memorised-head checkpoints (token identity
 #       test): in-tree V4.1 + V4 (eager) || the plugin with CUDA graphs, exact and parity numerics
 #       (needs .gpuwork/head-{v41,v4}.safetensors from benchmarks/memorize_head.py, see NOTES.md)
+#   bash benchmarks/gpu_session.sh fw BUDGET_S      # a full-width reduced-depth V4.1 checkpoint made here by
+#       make_checkpoint --preset full-width: in-tree (eager) || the plugin with CUDA graphs, exact and parity
 #   (then on CPU: python benchmarks/bench_e2e.py --report DIR   -> ours/in-tree table with ratios)
 #
 # Logs and JSON go to $OUT (the device tool brings them back); the last lines printed are a summary.
@@ -89,6 +91,29 @@ memo_session() {  # BUDGET_S: token-identity fidelity on the memorised-head chec
   echo "memo session done t=$((SECONDS - t0)) s"
 }
 
+fw_session() {  # BUDGET_S: deliverable 2/3 at release widths (4 layers, 8 experts, 8192-token vocabulary)
+  local budget=$1 t0=$SECONDS
+  vllm_env
+  python3 -m vllm_deepinfer.tools.make_checkpoint --arch v4.1-flash --preset full-width --out /tmp/fw41 \
+    --no-progress > "$LOGS/make_fw41.log" 2>&1 || { tail -5 "$LOGS/make_fw41.log"; exit 1; }
+  (cd /tmp/fw41 && sha256sum *.safetensors) > "$LOGS/fw41.sha256"
+  echo "checkpoint made in $((SECONDS - t0)) s: $(du -sh /tmp/fw41 | cut -f1)"
+  local F="python3 benchmarks/gpu_vllm_fidelity.py run --prompts .gpuwork/prompts.json --kv-bytes 4 --no-jit-warmup
+           --gpu-mem 0.2 --text-only --ckpt /tmp/fw41"
+  local left=$((budget - (SECONDS - t0) - 20))
+  timeout $left $F --impl intree --out "$OUT/intree_fw41.json" > "$LOGS/ifw41.log" 2>&1 &
+  timeout $left $F --impl ours --no-eager --cudagraph-sizes 1,2,4 --out "$OUT/ours_fw41.json" > "$LOGS/ofw41.log" 2>&1 &
+  DEEPINFER_NUMERICS=parity timeout $left $F --impl ours --no-eager --cudagraph-sizes 1,2,4 \
+    --out "$OUT/oursP_fw41.json" > "$LOGS/oPfw41.log" 2>&1 &
+  wait
+  for o in ours oursP; do
+    python3 benchmarks/gpu_vllm_fidelity.py compare "$OUT/${o}_fw41.json" "$OUT/intree_fw41.json" 2>&1 | head -6
+  done
+  grep -h "^\[ours\]\|Error" "$LOGS"/o*fw41.log | tail -8
+  pack_logs
+  echo "fw session done t=$((SECONDS - t0)) s"
+}
+
 vllm_session() {  # BUDGET_S
   local budget=$1 t0=$SECONDS
   vllm_env
@@ -126,5 +151,6 @@ case "$mode" in
   vllm) vllm_session "${2:-560}" ;;
   ours-bench) ours_bench "${2:-560}" ;;
   memo) memo_session "${2:-560}" ;;
-  *) echo "usage: $0 kernels|stage DIR|vllm BUDGET_S|ours-bench BUDGET_S|memo BUDGET_S" >&2; exit 2 ;;
+  fw) fw_session "${2:-560}" ;;
+  *) echo "usage: $0 kernels|stage DIR|vllm BUDGET_S|ours-bench BUDGET_S|memo BUDGET_S|fw BUDGET_S" >&2; exit 2 ;;
 esac
