@@ -135,6 +135,15 @@ vllm_session() {  # BUDGET_S
   echo "vllm session done t=$((SECONDS - t0)) s"
 }
 
+intree_bench() {  # BUDGET_S: vLLM's in-tree V4.1 alone on the GPU (the baseline column)
+  local budget=$1 t0=$SECONDS
+  vllm_env
+  $BENCH --only intree --gpu-mem 0.45 --timeout $((budget - 15)) > "$OUT/bench_intree.out" 2>&1
+  keep_bench
+  tail -20 "$OUT/bench_intree.out"
+  echo "intree bench done t=$((SECONDS - t0)) s"
+}
+
 ours_bench() {  # BUDGET_S
   local budget=$1 t0=$SECONDS
   vllm_env
@@ -150,6 +159,7 @@ case "$mode" in
   stage) bash "$REPO/shared/gpu/receive.sh" "$2" ;;
   vllm) vllm_session "${2:-560}" ;;
   ours-bench) ours_bench "${2:-560}" ;;
+  intree-bench) intree_bench "${2:-560}" ;;
   memo) memo_session "${2:-560}" ;;
   fw) fw_session "${2:-560}" ;;
   *) echo "usage: $0 kernels|stage DIR|vllm BUDGET_S|ours-bench BUDGET_S|memo BUDGET_S|fw BUDGET_S" >&2; exit 2 ;;
