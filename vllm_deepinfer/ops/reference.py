@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from vllm_deepinfer.checkpoint.formats import dequant_fp8_block, e8m0_decode
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) * weight, computed in fp32; returns x.dtype. x: [..., n]."""
@@ -108,10 +110,22 @@ def _sink_softmax(scores: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
 
 
 def grouped_low_rank(o: torch.Tensor, wo_a: torch.Tensor, groups: int) -> torch.Tensor:
-    """First half of the grouped output projection. o: [T, H, d]; wo_a: [G*R, H*d/G] -> z [T, G*R]."""
+    """Grouped (block-diagonal) low-rank projection. o: [T, H, d] or [T, H*d]; wo_a: [G*R, H*d/G] -> z [T, G*R]."""
     t = o.shape[0]
     og = o.reshape(t, groups, -1)
     return torch.einsum("tgk,grk->tgr", og, wo_a.view(groups, -1, og.shape[-1])).reshape(t, -1)
+
+
+def linear_fp8_block(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                     groups: int = 1) -> torch.Tensor:
+    """y = x W^T with W = dequant_fp8_block(w, scale, block) in x.dtype (model-spec §4.2).
+
+    x: [T, G*K]; w: E4M3 [N, K]; scale: E8M0 bytes (uint8) [ceil(N/BN), ceil(K/BK)] -> [T, N].
+    groups = G > 1: block-diagonal product (`grouped_low_rank`, the grouped `wo_a`)."""
+    wd = dequant_fp8_block(w, e8m0_decode(scale), block).to(x.dtype)
+    if groups == 1:
+        return x @ wd.t()
+    return grouped_low_rank(x.view(x.shape[0], groups, -1), wd, groups)
 
 
 def grouped_output(o: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor, groups: int) -> torch.Tensor:
