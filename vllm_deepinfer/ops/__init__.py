@@ -20,7 +20,6 @@ from vllm_deepinfer.ops import reference
 from vllm_deepinfer.ops.reference import (  # noqa: F401  (reference-only ops)
     apply_rope,
     grouped_low_rank,
-    grouped_output,
     hc_head_weights,
     rms_norm,
     rope_cos_sin,

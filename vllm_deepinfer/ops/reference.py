@@ -128,11 +128,6 @@ def linear_fp8_block(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bloc
     return grouped_low_rank(x.view(x.shape[0], groups, -1), wd, groups)
 
 
-def grouped_output(o: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor, groups: int) -> torch.Tensor:
-    """Grouped low-rank output projection. o: [T, H, d]; wo_a: [G*R, H*d/G]; wo_b: [D, G*R] -> [T, D]."""
-    return grouped_low_rank(o, wo_a, groups) @ wo_b.t()
-
-
 # ----------------------------------------------------------------------------- compressor
 def softmax_pool(values: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """Per-dimension softmax pooling over slots. values/logits: [G, S, c] fp32 -> [G, c]."""
@@ -191,13 +186,19 @@ def sqrtsoftplus_route(logits: torch.Tensor, bias: torch.Tensor | None, topk: in
 def swiglu_clamped(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
                    limit: float, act=None) -> torch.Tensor:
     """Clamped SwiGLU expert: (silu(min(x w1, l)) * clamp(x w3, -l, l)) w2. x: [T, D] -> [T, D].
+    w1, w3: [I, D] and w2: [D, I] weights, or callables t -> t W^T (FP8-packed linears).
 
     `act`: optional function applied to each GEMM input (parity numerics: FP8 activation round trip)."""
     act = act or (lambda t: t)
     xa = act(x)
-    a = (xa @ w1.t()).float().clamp(max=limit)
-    b = (xa @ w3.t()).float().clamp(-limit, limit)
-    return act((F.silu(a) * b).to(x.dtype)) @ w2.t()
+    a = _mm(xa, w1).float().clamp(max=limit)
+    b = _mm(xa, w3).float().clamp(-limit, limit)
+    return _mm(act((F.silu(a) * b).to(x.dtype)), w2)
+
+
+def _mm(x: torch.Tensor, w) -> torch.Tensor:
+    """x W^T for a weight tensor W, or w(x) for a callable (a packed linear's product)."""
+    return w(x) if callable(w) else x @ w.t()
 
 
 def _grouped_mm_takes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
