@@ -1,6 +1,6 @@
 """Microbenchmarks of kernels_nvidia against the H200 ceilings measured in the same run.
 
-    python3 benchmarks/bench_kernels.py [--json OUT.json] [--quick]
+    python3 benchmarks/bench_kernels.py [--json OUT.json] [--quick] [--only-fp8-linears]
 
 Ceilings first: a large device-to-device copy (bytes read + written) and an 8192^3 bf16 GEMM on random
 data. Then each kernel at V4.1-Flash full-width shapes (H=64, d=512, index heads 64 x 128, hc=4,
@@ -22,8 +22,10 @@ import triton
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from kernels_nvidia import attention as kattn  # noqa: E402
+from kernels_nvidia import gemm as kgemm  # noqa: E402
 from kernels_nvidia import indexer as kidx  # noqa: E402
 from kernels_nvidia import ops as kn  # noqa: E402
+from vllm_deepinfer.checkpoint.formats import dequant_fp8_block, e8m0_decode  # noqa: E402
 from vllm_deepinfer.ops import reference as ref  # noqa: E402
 
 DEV = "cuda"
@@ -73,11 +75,62 @@ def record(name, ms_k, ms_r, nbytes, flops, copy_gbs, gemm_tf):
           f"({row['pct_mma']:5.1f}%)  vs torch {sp}", flush=True)
 
 
+#: FP8 block linears of the full-width V4.1 preset (D=5120, q_lora 1280, 64 heads x 512, o_lora 1024 x 8
+#: groups, shared expert 2304, index 32 x 128, Engram 5 x D from 3 x 8 x 256): name -> (N, K per group, groups).
+FP8_LINEARS = {"wq_a": (1280, 5120, 1), "wq_b": (32768, 1280, 1), "wkv": (512, 5120, 1),
+               "wo_a": (8192, 4096, 8), "wo_b": (5120, 8192, 1), "indexer.wq_b": (4096, 1280, 1),
+               "shared.w1/w3": (2304, 5120, 1), "shared.w2": (5120, 2304, 1), "engram.wkv": (25600, 6144, 1)}
+
+
+def bench_fp8_linears(copy_gbs, gemm_tf, quick, block=(32, 32)):
+    """kernels_nvidia.gemm.linear_fp8_block vs the bf16 torch matmul of the dequantised weight (the torch
+    path's storage): GB/s over the FP8 codes + scales + x + y, TFLOP/s over 2*M*N*K."""
+    for name, (n, k, groups) in FP8_LINEARS.items():
+        w = (torch.randn(n, k, device=DEV) * 4).to(torch.float8_e4m3fn)
+        s = torch.randint(110, 125, (triton.cdiv(n, block[0]), triton.cdiv(k, block[1])), device=DEV,
+                          dtype=torch.uint8)
+        wd = dequant_fp8_block(w, e8m0_decode(s), block).to(BF)
+        for m in ((1, 64, 4096) if quick else (1, 16, 64, 256, 4096)):
+            x = torch.randn(m, groups * k, device=DEV, dtype=BF)
+            nbytes = w.numel() + s.numel() + x.numel() * 2 + m * n * 2
+            flops = 2 * m * n * k
+            torch_mm = ((lambda: x @ wd.t()) if groups == 1 else
+                        (lambda: ref.grouped_low_rank(x, wd, groups)))
+            ms_r = bench(torch_mm)
+            ms_k = bench(lambda: kgemm.linear_fp8_block(x, w, s, block, groups))
+            record(f"fp8_linear {name} M={m} N={n} K={k}x{groups}", ms_k, ms_r, nbytes, flops, copy_gbs, gemm_tf)
+            if m > kgemm.DIRECT_MAX_M:  # the batch-invariant direct kernel at prefill sizes, for the threshold
+                kgemm.BATCH_INVARIANT = True
+                ms_k = bench(lambda: kgemm.linear_fp8_block(x, w, s, block, groups))
+                kgemm.BATCH_INVARIANT = False
+                record(f"  direct (batch-invariant) M={m}", ms_k, ms_r, nbytes, flops, copy_gbs, gemm_tf)
+    # tile sweep of the direct kernel (TILE_M, TILE_N, warps, stages) at decode sizes, for the record
+    default = (kgemm.TILE_M, kgemm.TILE_N, kgemm.WARPS, kgemm.STAGES)
+    for name in ("wq_a", "wq_b", "wo_b"):
+        n, k, _ = FP8_LINEARS[name]
+        w = (torch.randn(n, k, device=DEV) * 4).to(torch.float8_e4m3fn)
+        s = torch.randint(110, 125, (triton.cdiv(n, block[0]), triton.cdiv(k, block[1])), device=DEV,
+                          dtype=torch.uint8)
+        for m in (16, 256):
+            x = torch.randn(m, k, device=DEV, dtype=BF)
+            for tiles in ((16, 32, 4, 4), (16, 64, 4, 4), (32, 32, 4, 4), (32, 64, 4, 6), (64, 32, 4, 4),
+                          (64, 64, 4, 4), (64, 128, 8, 4), (128, 64, 8, 4)):
+                kgemm.TILE_M, kgemm.TILE_N, kgemm.WARPS, kgemm.STAGES = tiles
+                try:
+                    ms_k = bench(lambda: kgemm.linear_fp8_block(x, w, s, block))
+                    record(f"  {name} M={m} TILE_M,TILE_N,warps,stages={tiles}", ms_k, None,
+                           w.numel() + s.numel() + 2 * m * (n + k), 2 * m * n * k, copy_gbs, gemm_tf)
+                except Exception as e:  # noqa: BLE001
+                    print("  tiles", tiles, "failed:", type(e).__name__, str(e)[:200])
+    kgemm.TILE_M, kgemm.TILE_N, kgemm.WARPS, kgemm.STAGES = default
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--only-fp8-linears", action="store_true", help="run the FP8 block GEMM section only")
     args = ap.parse_args()
     global GRAPH
     GRAPH = not args.eager
@@ -86,6 +139,9 @@ def main():
     copy_gbs, gemm_tf = ceilings()
     print("timing:", "CUDA-graph replays (GPU time)" if GRAPH else "eager launches", flush=True)
     print(f"CEILINGS copy {copy_gbs:.0f} GB/s (read+write), bf16 GEMM 8192^3 {gemm_tf:.0f} TFLOP/s", flush=True)
+    bench_fp8_linears(copy_gbs, gemm_tf, args.quick)
+    if args.only_fp8_linears:
+        return _dump(args.json, copy_gbs, gemm_tf)
     H, d, scale = 64, 512, 512 ** -0.5
     sink = torch.randn(H, device=DEV)
 
@@ -189,8 +245,12 @@ def main():
         ms_r = bench(lambda: ref.softmax_pool(v, lg))
         record(f"softmax_pool G={g} S={s_} c={c}", ms_k, ms_r, 2 * v.numel() * 4 + g * c * 4, 0, copy_gbs, gemm_tf)
 
-    if args.json:
-        with open(args.json, "w") as f:
+    _dump(args.json, copy_gbs, gemm_tf)
+
+
+def _dump(path, copy_gbs, gemm_tf):
+    if path:
+        with open(path, "w") as f:
             json.dump(dict(copy_gbs=copy_gbs, gemm_tflops=gemm_tf, device=torch.cuda.get_device_name(),
                            torch=torch.__version__, triton=triton.__version__, rows=ROWS), f, indent=1)
 

@@ -25,6 +25,13 @@ def test_accelerator_checked_against_platform():
         settings.check({"DEEPINFER_ACCELERATOR": "tpu9"}, platform_device="cpu")
 
 
+def test_fp8_linears_checked():
+    for value in ("auto", "packed", "bf16", "0"):
+        settings.check({"DEEPINFER_FP8_LINEARS": value}, platform_device="cpu")
+    with pytest.raises(settings.DeepInferSettingError, match="expected auto, packed or bf16"):
+        settings.check({"DEEPINFER_FP8_LINEARS": "fp4"}, platform_device="cpu")
+
+
 def test_hf_model_dir_maps_to_model(tmp_path, monkeypatch):
     with pytest.raises(settings.DeepInferSettingError, match="no config.json"):
         settings.check({"DEEPINFER_HF_MODEL_DIR": str(tmp_path)})
@@ -44,6 +51,6 @@ def test_hf_model_dir_maps_to_model(tmp_path, monkeypatch):
 def test_every_readme_setting_has_a_decision():
     readme = {"DEEPINFER_ENABLE_MTP_VARLEN", "DEEPINFER_USE_NEXTN_DECODE", "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE",
               "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", "DEEPINFER_BATCH_INVARIANT", "DEEPINFER_HF_MODEL_DIR",
-              "DEEPINFER_ACCELERATOR", "DEEPINFER_NUMERICS"}
+              "DEEPINFER_ACCELERATOR", "DEEPINFER_NUMERICS", "DEEPINFER_FP8_LINEARS"}
     assert readme == set(settings.SETTINGS)
     assert all(s.reason and s.vllm_equivalent for s in settings.SETTINGS.values())

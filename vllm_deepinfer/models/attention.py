@@ -91,9 +91,8 @@ class Attention(nn.Module):
                                       bf16_first=False).to(out.dtype)
         else:
             out = ops.apply_rope(out, cos, sin, inverse=True)
-        if self.wo_b.act_block is not None:  # parity: wo_b is a W8A8 linear too; quantise its input z per 1x128
-            return self.wo_b(ops.grouped_low_rank(out, self.wo_a.weight, self.groups))
-        return ops.grouped_output(out, self.wo_a.weight, self.wo_b.weight, self.groups)
+        # z = grouped wo_a product; wo_b as a Linear (parity: its W8A8 input quantiser runs on z)
+        return self.wo_b(self.wo_a.matmul(out.flatten(1), self.groups))
 
     def _compress(self, x: torch.Tensor, batch: StepBatch) -> None:
         """Pool the groups closed in this step into compressed rows (and V4.1 index keys)."""

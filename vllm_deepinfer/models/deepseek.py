@@ -27,11 +27,19 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 
 from vllm_deepinfer import ops
 from vllm_deepinfer.attention.caches import PagedCache, cache_page_bytes
+from vllm_deepinfer.checkpoint.inventory import expected_tensors
 from vllm_deepinfer.config import V4, V41, ArchConfig
 from vllm_deepinfer.log import get_logger
 from vllm_deepinfer.models.attention import Attention
 from vllm_deepinfer.models.engram import Engram, EngramHasher, write_token_history
-from vllm_deepinfer.models.layers import HyperConnection, RMSNorm, _param, enable_activation_quant
+from vllm_deepinfer.models.layers import (
+    HyperConnection,
+    RMSNorm,
+    _param,
+    enable_activation_quant,
+    fp8_linears_packed,
+    pack_fp8_linears,
+)
 from vllm_deepinfer.models.loader import load_checkpoint
 from vllm_deepinfer.models.rope import RotaryTable
 from vllm_deepinfer.models.step import StepBatch
@@ -149,6 +157,11 @@ class DeepseekForCausalLM(nn.Module):
                     self.arch.family, self.arch.num_layers, ops.backend_for(torch.empty(0, device=vllm_config.device_config.device)))
         numerics = quant.configure()
         self.model = DeepseekModel(vllm_config, self.arch, prefix="model")
+        if fp8_linears_packed(vllm_config.device_config.device):
+            fp8 = {n for n, (dtype, _) in expected_tensors(self.arch).items() if dtype == "F8_E4M3"}
+            packed = pack_fp8_linears(self.model, fp8, self.arch.weight_block_size)
+            logger.info("vllm-deepinfer: %d FP8 block linears keep their E4M3 codes (ops.linear_fp8_block)",
+                        len(packed))
         if self.arch.family == V4 and quant.enabled("act"):
             enable_activation_quant(self.model)
         logger.info("vllm-deepinfer numerics: %s", "parity " + ",".join(sorted(numerics)) if numerics else "exact")

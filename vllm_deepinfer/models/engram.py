@@ -101,7 +101,7 @@ class Engram(nn.Module):
         rows = [hasher.hash_ids(self.table, *self.lookback_decode(batch))[:, 0]] if batch.n_dec else []
         rows = torch.cat(rows + [hasher.hash_ids(self.table, *self.lookback(batch, span)) for span in batch])
         emb = self.embed(rows).flatten(1)                                     # [T, cols * d]
-        kv = self.wkv(emb.to(self.wkv.weight.dtype)).view(-1, self.hc + 1, self.hidden)
+        kv = self.wkv(emb).view(-1, self.hc + 1, self.hidden)
         keys, value = kv[:, : self.hc], kv[:, self.hc]
         xn = ops.rms_norm(streams, None, self.eps).float()
         kn = ops.rms_norm(keys, None, self.eps).float()

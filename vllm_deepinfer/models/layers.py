@@ -1,10 +1,13 @@
 """Parameter holders of the torch path: dense linear and RMSNorm.
 
-Checkpoint weights are dequantised once at load time (FP8 block / MXFP4 -> model dtype); the
-quantised GPU kernels of `kernels_nvidia` replace these holders on that path.
+Checkpoint weights are dequantised once at load time (FP8 block / MXFP4 -> model dtype), except the
+FP8 block linears when packed storage is selected (`fp8_linears_packed`, `pack_fp8_linears`): those keep
+the checkpoint's E4M3 codes and E8M0 scale bytes and multiply through `ops.linear_fp8_block`.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import nn
@@ -24,20 +27,84 @@ def _param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
+FP8_LINEARS_ENV = "DEEPINFER_FP8_LINEARS"
+
+
+def parse_fp8_linears(value: str | None) -> str:
+    """`DEEPINFER_FP8_LINEARS` -> 'auto' (default; also unset, empty or an off value), 'packed' or 'bf16'."""
+    v = (value or "").strip().lower()
+    if v in ("", "auto", "0", "off", "false", "no", "none"):
+        return "auto"
+    if v not in ("packed", "bf16"):
+        raise ValueError(f"{FP8_LINEARS_ENV}={value!r}: expected auto, packed or bf16")
+    return v
+
+
+def fp8_linears_packed(device: torch.device | str) -> bool:
+    """Whether the FP8 block linears keep their checkpoint codes (`DEEPINFER_FP8_LINEARS`, read at model
+    construction): `packed` / `bf16` force it; `auto` packs where `ops.linear_fp8_block` runs a kernel
+    (a CUDA device with kernels_nvidia available and VLLM_DEEPINFER_KERNELS != reference)."""
+    mode = parse_fp8_linears(os.environ.get(FP8_LINEARS_ENV))
+    if mode != "auto":
+        return mode == "packed"
+    return ops.backend_for(torch.empty(0, device=device)) == "kernels_nvidia"
+
+
 class Linear(nn.Module):
-    """y = x W^T with W: [out_features, in_features] (no bias in this model)."""
+    """y = x W^T with W: [out_features, in_features] (no bias in this model).
+
+    Storage: `weight` in the model dtype, or after `pack_fp8(B)` the E4M3 codes `weight` [N, K] and the
+    E8M0 scale bytes `scale` (uint8) [ceil(N/B), ceil(K/B)] of model-spec §4.2."""
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype | None = None):
         super().__init__()
         self.weight = _param(out_features, in_features, dtype=dtype)
+        self.scale: nn.Parameter | None = None
+        self.block: tuple[int, int] | None = None
+        self._packed_dtype: torch.dtype | None = None
         # Parity numerics: FP8 activation quantisation block (None = off, the default).
         self.act_block: int | None = None
 
+    def pack_fp8(self, block: int) -> None:
+        """Switch to FP8 block storage (filled by the loader). The scales start at byte 127 (1.0): vLLM's
+        dummy weights leave non-float parameters untouched, and byte 0xFF would be NaN."""
+        n, k = self.weight.shape
+        dev, self._packed_dtype = self.weight.device, self.weight.dtype
+        self.weight = nn.Parameter(torch.empty(n, k, dtype=torch.float8_e4m3fn, device=dev), requires_grad=False)
+        self.scale = nn.Parameter(torch.full((-(-n // block), -(-k // block)), 127, dtype=torch.uint8, device=dev),
+                                  requires_grad=False)
+        self.block = (block, block)
+
+    @property
+    def act_dtype(self) -> torch.dtype:
+        """Dtype of the inputs and outputs (the model dtype)."""
+        return self.weight.dtype if self.scale is None else self._packed_dtype
+
+    def matmul(self, x: torch.Tensor, groups: int = 1) -> torch.Tensor:
+        """x [T, G*K] -> x W^T [T, N] without activation quantisation; groups = G > 1: the block-diagonal
+        product of `ops.grouped_low_rank` (x group g times rows g*N/G.. of W)."""
+        if self.scale is not None:
+            return ops.linear_fp8_block(x, self.weight, self.scale, self.block, groups)
+        if groups == 1:
+            return x @ self.weight.t()
+        return ops.grouped_low_rank(x.view(x.shape[0], groups, -1), self.weight, groups)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.to(self.weight.dtype)
+        x = x.to(self.act_dtype)
         if self.act_block is not None:
             x = quant.act_roundtrip(x, self.act_block)
-        return x @ self.weight.t()
+        return self.matmul(x)
+
+
+def pack_fp8_linears(model: nn.Module, fp8_weights: set[str], block: int) -> list[str]:
+    """Packed FP8 storage for every Linear of `model` whose `<name>.weight` is in `fp8_weights` (the
+    checkpoint's block-FP8 tensors, named relative to `model`). Returns the names packed."""
+    done = []
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and f"{name}.weight" in fp8_weights:
+            module.pack_fp8(block)
+            done.append(name)
+    return done
 
 
 def enable_activation_quant(model: nn.Module, names: tuple[str, ...] = V4_FP8_ACT_LINEARS,

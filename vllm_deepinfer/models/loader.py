@@ -3,7 +3,8 @@
 The checkpoint is validated as a whole against the expected inventory before any parameter is
 written (missing tensor, wrong dtype or shape, NaN codes: the error names the tensor), so a bad
 checkpoint never leaves a half-initialised model. FP8 block and MXFP4 tensors are dequantised
-here; MTP/DSpark (`mtp.*`) tensors belong to the drafter and the vision tower to the VL wrapper,
+here, except into FP8-packed linears (`Linear.pack_fp8`), which take the codes and scale bytes as
+stored; MTP/DSpark (`mtp.*`) tensors belong to the drafter and the vision tower to the VL wrapper,
 so the text model skips them with one log line.
 """
 
@@ -93,6 +94,12 @@ def load_checkpoint(model: nn.Module, arch: ArchConfig, weights: Iterable[tuple[
             loaded.add(dst)
             continue
         dst = target_name(name)
+        if dst in params and params[dst].dtype == torch.float8_e4m3fn:  # packed FP8 linear: codes + E8M0 bytes
+            scale_name, scale_dst = name[: -len("weight")] + "scale", dst[: -len("weight")] + "scale"
+            _copy(params[dst], tensors[name], name, dst)
+            _copy(params[scale_dst], tensors[scale_name].view(torch.uint8), scale_name, scale_dst)
+            loaded.update((dst, scale_dst))
+            continue
         value = _decode(name, tensors, block)
         if dst in buffers:
             buffers[dst].copy_(value)
@@ -104,15 +111,19 @@ def load_checkpoint(model: nn.Module, arch: ArchConfig, weights: Iterable[tuple[
         if loader is not None:
             loader(param, value.to(param.dtype))
         else:
-            if tuple(param.shape) != tuple(value.shape):
-                raise InventoryError(f"checkpoint tensor '{name}' has shape {list(value.shape)}, "
-                                      f"parameter '{dst}' expects {list(param.shape)}")
-            param.data.copy_(value)
+            _copy(param, value, name, dst)
         loaded.add(dst)
     missing = set(params) - loaded
     if missing:
         raise InventoryError(f"parameters not initialised by the checkpoint: {sorted(missing)[:10]}")
     return loaded
+
+
+def _copy(param: nn.Parameter, value: torch.Tensor, name: str, dst: str) -> None:
+    if tuple(param.shape) != tuple(value.shape):
+        raise InventoryError(f"checkpoint tensor '{name}' has shape {list(value.shape)}, "
+                             f"parameter '{dst}' expects {list(param.shape)}")
+    param.data.copy_(value)
 
 
 def _validate(arch: ArchConfig, found: dict[str, tuple[str, tuple[int, ...]]],

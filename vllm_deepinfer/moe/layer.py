@@ -73,5 +73,5 @@ class MoE(nn.Module):
             act = None
             if s.w1.act_block is not None:  # parity: W8A8, both GEMM inputs quantised per 1x128
                 act = functools.partial(quant.act_roundtrip, block=s.w1.act_block)
-            y = y + ops.swiglu_clamped(x, s.w1.weight, s.w3.weight, s.w2.weight, self.limit, act=act)
+            y = y + ops.swiglu_clamped(x, s.w1.matmul, s.w3.matmul, s.w2.matmul, self.limit, act=act)
         return y

@@ -20,7 +20,6 @@ from vllm_deepinfer.ops import reference
 from vllm_deepinfer.ops.reference import (  # noqa: F401  (reference-only ops)
     apply_rope,
     grouped_low_rank,
-    grouped_output,
     hc_head_weights,
     rms_norm,
     rope_cos_sin,
@@ -92,6 +91,10 @@ def topk_rows(scores, k):
     return _dispatch("topk_rows", scores, scores, k)
 
 
+def linear_fp8_block(x, w, scale, block, groups=1):
+    return _dispatch("linear_fp8_block", x, x, w, scale, block, groups)
+
+
 def hc_coefficients(streams, fn, base, scale, rms_eps, hc_eps, sinkhorn_iters):
     return _dispatch("hc_coefficients", streams, streams, fn, base, scale, rms_eps, hc_eps, sinkhorn_iters)
 
@@ -105,7 +108,7 @@ def hc_expand(streams, y, post, comb):
 
 
 for _f in (sparse_attention, sparse_attention_indexed, sparse_attention_gathered, softmax_pool, indexer_scores,
-           indexer_scores_gathered, topk_rows,
+           indexer_scores_gathered, topk_rows, linear_fp8_block,
            hc_coefficients, hc_collapse, hc_expand):
     _f.__doc__ = getattr(reference, _f.__name__).__doc__
 del _f

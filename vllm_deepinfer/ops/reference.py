@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from vllm_deepinfer.checkpoint.formats import dequant_fp8_block, e8m0_decode
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) * weight, computed in fp32; returns x.dtype. x: [..., n]."""
@@ -108,15 +110,22 @@ def _sink_softmax(scores: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
 
 
 def grouped_low_rank(o: torch.Tensor, wo_a: torch.Tensor, groups: int) -> torch.Tensor:
-    """First half of the grouped output projection. o: [T, H, d]; wo_a: [G*R, H*d/G] -> z [T, G*R]."""
+    """Grouped (block-diagonal) low-rank projection. o: [T, H, d] or [T, H*d]; wo_a: [G*R, H*d/G] -> z [T, G*R]."""
     t = o.shape[0]
     og = o.reshape(t, groups, -1)
     return torch.einsum("tgk,grk->tgr", og, wo_a.view(groups, -1, og.shape[-1])).reshape(t, -1)
 
 
-def grouped_output(o: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor, groups: int) -> torch.Tensor:
-    """Grouped low-rank output projection. o: [T, H, d]; wo_a: [G*R, H*d/G]; wo_b: [D, G*R] -> [T, D]."""
-    return grouped_low_rank(o, wo_a, groups) @ wo_b.t()
+def linear_fp8_block(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                     groups: int = 1) -> torch.Tensor:
+    """y = x W^T with W = dequant_fp8_block(w, scale, block) in x.dtype (model-spec §4.2).
+
+    x: [T, G*K]; w: E4M3 [N, K]; scale: E8M0 bytes (uint8) [ceil(N/BN), ceil(K/BK)] -> [T, N].
+    groups = G > 1: block-diagonal product (`grouped_low_rank`, the grouped `wo_a`)."""
+    wd = dequant_fp8_block(w, e8m0_decode(scale), block).to(x.dtype)
+    if groups == 1:
+        return x @ wd.t()
+    return grouped_low_rank(x.view(x.shape[0], groups, -1), wd, groups)
 
 
 # ----------------------------------------------------------------------------- compressor
@@ -177,13 +186,19 @@ def sqrtsoftplus_route(logits: torch.Tensor, bias: torch.Tensor | None, topk: in
 def swiglu_clamped(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
                    limit: float, act=None) -> torch.Tensor:
     """Clamped SwiGLU expert: (silu(min(x w1, l)) * clamp(x w3, -l, l)) w2. x: [T, D] -> [T, D].
+    w1, w3: [I, D] and w2: [D, I] weights, or callables t -> t W^T (FP8-packed linears).
 
     `act`: optional function applied to each GEMM input (parity numerics: FP8 activation round trip)."""
     act = act or (lambda t: t)
     xa = act(x)
-    a = (xa @ w1.t()).float().clamp(max=limit)
-    b = (xa @ w3.t()).float().clamp(-limit, limit)
-    return act((F.silu(a) * b).to(x.dtype)) @ w2.t()
+    a = _mm(xa, w1).float().clamp(max=limit)
+    b = _mm(xa, w3).float().clamp(-limit, limit)
+    return _mm(act((F.silu(a) * b).to(x.dtype)), w2)
+
+
+def _mm(x: torch.Tensor, w) -> torch.Tensor:
+    """x W^T for a weight tensor W, or w(x) for a callable (a packed linear's product)."""
+    return w(x) if callable(w) else x @ w.t()
 
 
 def _grouped_mm_takes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:

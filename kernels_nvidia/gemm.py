@@ -1,0 +1,141 @@
+"""Weight-only FP8 block GEMM: y = x @ dequant(W)^T with the E4M3 codes and E8M0 block scales read directly.
+
+    W[n, k] = e4m3(codes[n, k]) * 2**(scale[n // BN, k // BK] - 127)      (model-spec §4.2)
+    y[m, n] = sum_k x[m, k] * W[n, k]                     x, y: bf16; fp32 accumulation
+
+E4M3 times a power of two is exact in bf16, so each dequantised tile equals the bf16 weight the torch
+path builds at load, and y equals the bf16 reference up to the fp32 accumulation order.
+
+`groups` > 1 is the block-diagonal (grouped low-rank) product of the attention output projection
+`wo_a`: output rows [g*N/G, (g+1)*N/G) of W read input columns [g*K, (g+1)*K) of x (x: [M, G*K]).
+
+Strategies (selected by M only above a fixed threshold):
+* direct (`_fp8_gemm_kernel`, every M <= DIRECT_MAX_M, and every M when BATCH_INVARIANT): grid over
+  (N tiles, M tiles) with one fixed tile shape, the K loop in order, one tl.dot per K tile, no split-K.
+  A row's result is bitwise the same whatever M is (batch-invariant). Memory-bound in decode: W is read
+  once per M tile (a second M tile re-reads it from L2).
+* dequant + cuBLAS (M > DIRECT_MAX_M, prefill): `_dequant_kernel` writes W to a bf16 scratch, then
+  torch.matmul. cuBLAS picks its algorithm from M, so rows depend on M there; set
+  KERNELS_NVIDIA_BATCH_INVARIANT=1 (or `gemm.BATCH_INVARIANT = True`) to keep the direct kernel for all M.
+
+Both are sync-free (no host reads of device data) and CUDA-graph capturable; the scratch of the prefill
+path comes from torch's caching allocator.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+BATCH_INVARIANT = os.environ.get("KERNELS_NVIDIA_BATCH_INVARIANT", "0") == "1"
+DIRECT_MAX_M = 1024  # above: dequantise to a bf16 scratch + cuBLAS (not batch-invariant)
+# Fixed tiles of the direct kernel (never chosen from M): tokens x output features; the K tile is the
+# scale block's K extent capped at 128, so one scale per output row covers a whole K tile.
+TILE_M, TILE_N, MAX_TILE_K, WARPS, STAGES = 64, 64, 128, 4, 4
+# Triton's interpreter multiplies bf16 tl.dot operands wrongly (triton 3.6); there the dequantised tiles go
+# to tl.dot as fp32 (exact: bf16 values, IEEE products), on the GPU as bf16.
+_DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _dequant(codes, scale_bytes):
+    """E4M3 codes [BN, BK] times 2**(scale_bytes - 127) (bytes 1..254, broadcast) -> bf16, exact.
+    The power of two is built from its fp32 exponent bits (byte 0 gives 0 instead of 2**-127)."""
+    scale = (scale_bytes.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    return (codes.to(tl.float32) * scale).to(tl.bfloat16)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp8_gemm_kernel(X, W, S, Y, M, N, K, sx_m, sy_m, s_sn, n_group,
+                     BN: tl.constexpr, BK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+    """Y[m, n] = sum_k X[m, g(n)*K + k] * W[n, k], g(n) = n // n_group. X/Y bf16, W E4M3 [N, K], S uint8."""
+    pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mmask, nmask = offs_m < M, offs_n < N
+    x_base = X + offs_m[:, None].to(tl.int64) * sx_m + (pid_n * BLOCK_N // n_group) * K
+    w_base = W + offs_n[:, None].to(tl.int64) * K
+    s_base = S + (offs_n // BN) * s_sn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        kmask = offs_k < K
+        x = tl.load(x_base + offs_k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        codes = tl.load(w_base + offs_k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        sb = tl.load(s_base + k0 // BK, mask=nmask, other=127)
+        w = _dequant(codes, sb[:, None])
+        if DOT_F32:
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w))
+    y = Y + offs_m[:, None].to(tl.int64) * sy_m + offs_n[None, :]
+    tl.store(y, acc.to(tl.bfloat16), mask=mmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _dequant_kernel(W, S, OUT, N, K, s_sn, BN: tl.constexpr, BK: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """OUT[n, k] = bf16(W[n, k] * 2**(S[n // BN, k // BK] - 127))."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
+    idx = offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
+    codes = tl.load(W + idx, mask=mask, other=0.0)
+    sb = tl.load(S + (offs_n // BN)[:, None] * s_sn + (offs_k // BK)[None, :], mask=mask, other=127)
+    tl.store(OUT + idx, _dequant(codes, sb), mask=mask)
+
+
+def _check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], groups: int) -> None:
+    n, k = w.shape
+    bn, bk = block
+    if x.dtype != torch.bfloat16 or w.dtype != torch.float8_e4m3fn or scale.dtype != torch.uint8:
+        raise NotImplementedError(f"fp8 block GEMM takes bf16 x, E4M3 w, uint8 scale; got "
+                                  f"{x.dtype}, {w.dtype}, {scale.dtype}")
+    if x.shape[-1] != groups * k or n % groups:
+        raise ValueError(f"x {tuple(x.shape)} / w {tuple(w.shape)}: expected x[..., {groups}*{k}], N % {groups} == 0")
+    if tuple(scale.shape) != (triton.cdiv(n, bn), triton.cdiv(k, bk)):
+        raise ValueError(f"scale {tuple(scale.shape)} does not match w {tuple(w.shape)} with block {bn}x{bk}")
+    if bk & (bk - 1) or (groups > 1 and (n // groups) % TILE_N):
+        raise NotImplementedError(f"block K {bk} not a power of two or group width {n // groups} not a "
+                                  f"multiple of {TILE_N}")
+
+
+def dequant_to_bf16(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """E4M3 w [N, K] + uint8 E8M0 scale [ceil(N/BN), ceil(K/BK)] -> bf16 [N, K] (one pass)."""
+    n, k = w.shape
+    out = torch.empty(n, k, dtype=torch.bfloat16, device=w.device)
+    grid = (triton.cdiv(n, 32), triton.cdiv(k, 128))
+    _dequant_kernel[grid](w, scale, out, n, k, scale.stride(0), BN=block[0], BK=block[1], BLOCK_N=32, BLOCK_K=128)
+    return out
+
+
+def linear_fp8_block(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                     groups: int = 1) -> torch.Tensor:
+    """x [..., G*K] bf16; w E4M3 [N, K]; scale uint8 [ceil(N/BN), ceil(K/BK)] -> y [..., N] bf16.
+    groups = G > 1: block-diagonal product (group g of x times rows g*N/G.. of W)."""
+    _check(x, w, scale, block, groups)
+    n, k = w.shape
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    if m > DIRECT_MAX_M and not BATCH_INVARIANT:
+        wd = dequant_to_bf16(w, scale, block)
+        if groups == 1:
+            return (x2 @ wd.t()).view(*lead, n)
+        xg = x2.view(m, groups, k).transpose(0, 1)                         # [G, M, K]
+        y = torch.bmm(xg, wd.view(groups, n // groups, k).transpose(1, 2))  # [G, M, N/G]
+        return y.transpose(0, 1).reshape(*lead, n)
+    y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    if m:
+        grid = (triton.cdiv(n, TILE_N), triton.cdiv(m, TILE_M))
+        _fp8_gemm_kernel[grid](x2, w, scale, y, m, n, k, x2.stride(0), y.stride(0), scale.stride(0), n // groups,
+                               BN=block[0], BK=block[1], BLOCK_M=TILE_M, BLOCK_N=TILE_N,
+                               BLOCK_K=min(block[1], MAX_TILE_K), DOT_F32=_DOT_F32,
+                               num_warps=WARPS, num_stages=STAGES)
+    return y.view(*lead, n)
