@@ -10,6 +10,7 @@ always accepted: it asks for what the plugin does anyway.
 | `DEEPINFER_HF_MODEL_DIR` | mapped: the model path. `vllm serve` with no model argument serves it; `default_model()` gives it to offline code; must be a directory with `config.json`. An explicit model argument wins (warning when they differ). |
 | `DEEPINFER_ACCELERATOR` | honoured as a check: `cuda`/`nvidia`/`gpu`, `ascend`/`npu`, `cpu` must match vLLM's platform, else start-up fails naming both. vLLM picks the platform itself. |
 | `DEEPINFER_NUMERICS` | honoured: `exact` (default) or `parity` (simulate vLLM in-tree SM90 FP8 KV records, FP8 index q/k and V4 FP8 linear activations; or a comma-separated subset `kv,index_k,index_q,act`); read once at model construction (`vllm_deepinfer/ops/quant.py`). An unknown value stops start-up. |
+| `DEEPINFER_EXPERT_STORAGE` | honoured: `auto` (default: routed experts keep their MXFP4 codes on CUDA with kernels_nvidia, else BF16 dequantised at load), `packed` or `bf16` force it (packed off CUDA runs the torch reference op: for tests); read at model construction (`vllm_deepinfer.ops.packed_experts`). An unknown value stops start-up. |
 | `DEEPINFER_BATCH_INVARIANT` | rejected when on: the batch-invariant, per-request-seeded sampler is not in the plugin yet. vLLM's `VLLM_BATCH_INVARIANT=1` is not an equivalent (different kernels/sampler, no DeepInfer bitwise guarantee), so it is not silently substituted. |
 | `DEEPINFER_ENABLE_MTP_VARLEN` | rejected when on: DSpark/MTP variable-length drafting is not in the plugin yet (vLLM equivalent will be `--speculative-config`). |
 | `DEEPINFER_USE_NEXTN_DECODE` | rejected when on: NextN (MTP) decode is speculative decoding, not in the plugin yet (`--speculative-config`). |
@@ -58,6 +59,8 @@ SETTINGS: dict[str, Setting] = {
         Setting("DEEPINFER_NUMERICS", "honoured", "none (vLLM's in-tree models always quantise KV/index/activations)",
                 "numerics of the torch model: exact (BF16/fp32 KV and activations, default) or parity "
                 "(quantise-dequantise like vLLM's in-tree SM90 path)"),
+        Setting("DEEPINFER_EXPERT_STORAGE", "honoured", "none (in-tree always runs MXFP4 experts packed)",
+                "storage of the routed experts: auto (MXFP4 codes on CUDA, BF16 elsewhere), packed or bf16"),
         Setting("DEEPINFER_BATCH_INVARIANT", "reject", "none yet (VLLM_BATCH_INVARIANT is not equivalent)",
                 "the batch-invariant, per-request-seeded sampler is not implemented in vllm-deepinfer yet"),
         Setting("DEEPINFER_ENABLE_MTP_VARLEN", "reject", "--speculative-config (future)",
@@ -109,6 +112,11 @@ def check(environ: dict[str, str] | None = None, platform_device: str | None = N
                 errors.append(str(e))
             else:
                 notes.append(f"{name}: " + ("parity " + ",".join(sorted(parts)) if parts else "exact"))
+        elif name == "DEEPINFER_EXPERT_STORAGE":
+            if not _is_off(value) and value.strip().lower() not in ("auto", "packed", "bf16"):
+                errors.append(f"{name}={value!r} is unknown; accepted: auto, packed, bf16")
+            else:
+                notes.append(f"{name}: {value.strip().lower()}")
         elif name == "DEEPINFER_ACCELERATOR":
             if _is_off(value) or value.strip().lower() == "auto":
                 continue
