@@ -156,6 +156,8 @@ def routed_experts_packed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Ten
         raise NotImplementedError(f"routed_experts_packed: format {fmt}, activations {x.dtype}")
     T, K = ids.shape
     E, I, D = w13.shape[0], w2.shape[2] * 2, x.shape[1]
+    if T == 0:
+        return x.new_empty(0, D)
     x = x.contiguous()
     w13, w13_scale, w2, w2_scale = (t.view(torch.uint8) for t in (w13, w13_scale, w2, w2_scale))
     ids, slot = ids.sort(dim=1, stable=True)  # each token's experts ascending: the order of the sum
