@@ -1,10 +1,11 @@
 """Microbenchmarks of kernels_nvidia against the H200 ceilings measured in the same run.
 
-    python3 benchmarks/bench_kernels.py [--json OUT.json] [--quick] [--only-fp8-linears]
+    python3 benchmarks/bench_kernels.py [--json OUT.json] [--quick] [--only-fp8-linears | --moe-only]
 
 Ceilings first: a large device-to-device copy (bytes read + written) and an 8192^3 bf16 GEMM on random
 data. Then each kernel at V4.1-Flash full-width shapes (H=64, d=512, index heads 64 x 128, hc=4,
-D=4096), timed with triton.testing.do_bench (median), next to the torch oracle on the same GPU.
+D=4096; MXFP4 routed experts at the full-width config, `bench_moe`), timed with triton.testing.do_bench
+(median), next to the torch oracle on the same GPU.
 GB/s counts the fewest bytes the op must move (each input read once, each output written once);
 TFLOP/s counts the useful multiply-adds (masked-out keys excluded).
 """
@@ -25,7 +26,7 @@ from kernels_nvidia import attention as kattn  # noqa: E402
 from kernels_nvidia import gemm as kgemm  # noqa: E402
 from kernels_nvidia import indexer as kidx  # noqa: E402
 from kernels_nvidia import ops as kn  # noqa: E402
-from vllm_deepinfer.checkpoint.formats import dequant_fp8_block, e8m0_decode  # noqa: E402
+from vllm_deepinfer.checkpoint.formats import dequant_fp8_block, dequant_mxfp4, e8m0_decode  # noqa: E402
 from vllm_deepinfer.ops import reference as ref  # noqa: E402
 
 DEV = "cuda"
@@ -125,12 +126,46 @@ def bench_fp8_linears(copy_gbs, gemm_tf, quick, block=(32, 32)):
     kgemm.TILE_M, kgemm.TILE_N, kgemm.WARPS, kgemm.STAGES = default
 
 
+def bench_moe(copy_gbs, gemm_tf, quick):
+    """MXFP4 routed experts (kernels_nvidia.moe) at the full-width V4.1 config (D=5120, I=2304, E=8, top-6)
+    against the oracle's bf16 grouped-GEMM path on the dequantised weights. Bytes: the packed codes and
+    scales of the experts the batch touches, x and the output; FLOPs: 2 * T*K * 3*D*I."""
+    from kernels_nvidia import moe
+    E, D, I, K = 8, 5120, 2304, 6
+    w = [torch.randint(0, 256, shape, device=DEV, dtype=torch.uint8) for shape in
+         ((E, 2 * I, D // 2), (E, 2 * I, D // 32), (E, D, I // 2), (E, D, I // 32))]
+    w[1].clamp_(118, 126)  # random codes with scales 2^-9..2^-1: finite outputs
+    w[3].clamp_(118, 126)
+    w13, w2 = (dequant_mxfp4(c, sc, checked=False).to(BF) for c, sc in ((w[0], w[1]), (w[2], w[3])))
+    per_expert = sum(t[0].numel() for t in w)
+    for t in ((1, 16, 64, 256) if quick else (1, 16, 64, 256, 4096)):
+        ids = torch.rand(t, E, device=DEV).argsort(dim=1)[:, :K]
+        weights = torch.rand(t, K, device=DEV)
+        x = torch.randn(t, D, device=DEV, dtype=BF)
+        nbytes = ids.unique().numel() * per_expert + 2 * x.numel() * 2
+        flops = 2 * t * K * 3 * D * I
+        ms_k = bench(lambda: moe.routed_experts_packed(x, ids, weights, *w, 10.0))
+        ms_r = bench(lambda: ref.routed_experts(x, ids, weights, w13, w2, 10.0))
+        record(f"routed_experts_mxfp4 T={t} E={E} K={K}", ms_k, ms_r, nbytes, flops, copy_gbs, gemm_tf)
+        if t in (16, 64, 4096):  # tile sweep for the record (BM, BN, BK, warps)
+            for tiles in ((16, 64, 128, 4), (32, 64, 128, 4), (64, 128, 128, 8), (64, 64, 256, 4), (128, 64, 128, 8)):
+                keep = moe.BM, moe.BN, moe.BK, moe.WARPS
+                moe.BM, moe.BN, moe.BK, moe.WARPS = tiles
+                try:
+                    ms_k = bench(lambda: moe.routed_experts_packed(x, ids, weights, *w, 10.0))
+                    record(f"  T={t} BM,BN,BK,warps={tiles}", ms_k, None, nbytes, flops, copy_gbs, gemm_tf)
+                except Exception as e:  # noqa: BLE001
+                    print("  tiles", tiles, "failed:", type(e).__name__, str(e)[:200])
+                moe.BM, moe.BN, moe.BK, moe.WARPS = keep
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--only-fp8-linears", action="store_true", help="run the FP8 block GEMM section only")
+    ap.add_argument("--moe-only", action="store_true", help="ceilings and the routed-experts rows only")
     args = ap.parse_args()
     global GRAPH
     GRAPH = not args.eager
@@ -139,9 +174,13 @@ def main():
     copy_gbs, gemm_tf = ceilings()
     print("timing:", "CUDA-graph replays (GPU time)" if GRAPH else "eager launches", flush=True)
     print(f"CEILINGS copy {copy_gbs:.0f} GB/s (read+write), bf16 GEMM 8192^3 {gemm_tf:.0f} TFLOP/s", flush=True)
-    bench_fp8_linears(copy_gbs, gemm_tf, args.quick)
+    if not args.moe_only:
+        bench_fp8_linears(copy_gbs, gemm_tf, args.quick)
     if args.only_fp8_linears:
-        return _dump(args.json, copy_gbs, gemm_tf)
+        return dump(args.json, copy_gbs, gemm_tf)
+    bench_moe(copy_gbs, gemm_tf, args.quick)
+    if args.moe_only:
+        return dump(args.json, copy_gbs, gemm_tf)
     H, d, scale = 64, 512, 512 ** -0.5
     sink = torch.randn(H, device=DEV)
 
@@ -245,10 +284,10 @@ def main():
         ms_r = bench(lambda: ref.softmax_pool(v, lg))
         record(f"softmax_pool G={g} S={s_} c={c}", ms_k, ms_r, 2 * v.numel() * 4 + g * c * 4, 0, copy_gbs, gemm_tf)
 
-    _dump(args.json, copy_gbs, gemm_tf)
+    dump(args.json, copy_gbs, gemm_tf)
 
 
-def _dump(path, copy_gbs, gemm_tf):
+def dump(path, copy_gbs, gemm_tf):
     if path:
         with open(path, "w") as f:
             json.dump(dict(copy_gbs=copy_gbs, gemm_tflops=gemm_tf, device=torch.cuda.get_device_name(),

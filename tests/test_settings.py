@@ -51,6 +51,7 @@ def test_hf_model_dir_maps_to_model(tmp_path, monkeypatch):
 def test_every_readme_setting_has_a_decision():
     readme = {"DEEPINFER_ENABLE_MTP_VARLEN", "DEEPINFER_USE_NEXTN_DECODE", "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE",
               "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", "DEEPINFER_BATCH_INVARIANT", "DEEPINFER_HF_MODEL_DIR",
-              "DEEPINFER_ACCELERATOR", "DEEPINFER_NUMERICS", "DEEPINFER_FP8_LINEARS"}
+              "DEEPINFER_ACCELERATOR", "DEEPINFER_NUMERICS", "DEEPINFER_FP8_LINEARS",
+              "DEEPINFER_EXPERT_STORAGE"}
     assert readme == set(settings.SETTINGS)
     assert all(s.reason and s.vllm_equivalent for s in settings.SETTINGS.values())

@@ -20,7 +20,7 @@ Public API (everything else is private)::
     fp8_to_float(weight) -> fp32                       # decode E4M3
     dequant_fp8_block(weight, scale, block) -> fp32    # §4.2
     quant_fp8_block(w, block) -> (weight, scale)       # §4.7
-    dequant_mxfp4(weight_i8, scale) -> fp32            # §4.3
+    dequant_mxfp4(weight_i8, scale, checked) -> fp32   # §4.3
     quant_mxfp4(w) -> (weight_i8, scale)               # §4.7
     dequant_fp8_rows(weight, scale, group=32) -> fp32  # §4.4 (Engram rows; works on gathered rows too)
     quant_fp8_rows(w, group=32) -> (weight, scale)     # §4.4
@@ -171,11 +171,11 @@ def quant_fp8_block(w: torch.Tensor, block=128) -> tuple[torch.Tensor, torch.Ten
 
 
 # ---------------------------------------------------------------------------------------- MXFP4
-def dequant_mxfp4(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def dequant_mxfp4(weight: torch.Tensor, scale: torch.Tensor, checked: bool = True) -> torch.Tensor:
     """MXFP4 expert -> fp32 (§4.3). ``weight``: int8/uint8 ``[..., N, K/2]``; ``scale``: E8M0 ``[..., N, K/32]``.
 
     ``W[i,k] = e2m1(nibble(weight[i, k//2], k % 2)) * 2**(scale[i, k//32] - 127)``; the even element is the
-    low nibble.
+    low nibble. ``checked=False`` skips the NaN-scale check (a host sync) for scales validated at load.
     """
     b = _as_u8(weight)
     k = b.shape[-1] * 2
@@ -184,7 +184,8 @@ def dequant_mxfp4(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
                           f"(expected {tuple(b.shape[:-1]) + (k // MX_BLOCK,)})")
     pair_lut = _E2M1_PAIR_LUT.to(b.device)  # byte -> (low-nibble value, high-nibble value)
     vals = pair_lut.index_select(0, b.reshape(-1).to(torch.int32)).view(*b.shape[:-1], k)  # fresh, contiguous
-    vals.view(*b.shape[:-1], k // MX_BLOCK, MX_BLOCK).mul_(e8m0_to_float(scale).unsqueeze(-1))
+    s = e8m0_to_float(scale) if checked else e8m0_decode(scale)
+    vals.view(*b.shape[:-1], k // MX_BLOCK, MX_BLOCK).mul_(s.unsqueeze(-1))
     return vals
 
 

@@ -79,7 +79,8 @@ class DecoderLayer(nn.Module):
         self.attn = Attention(arch, plan, rope, f"{prefix}.attn", page_bytes)
         self.ffn = MoE(arch.hidden_size, arch.moe_intermediate_size, arch.n_routed_experts, arch.num_experts_per_tok,
                        arch.n_shared_experts, arch.vocab_size, plan.hash_routed, arch.routed_scaling_factor,
-                       arch.swiglu_limit, arch.image_token_id if arch.family == V41 else -1)
+                       arch.swiglu_limit, arch.image_token_id if arch.family == V41 else -1,
+                       packed_experts=arch.expert_dtype == "fp4" and ops.packed_experts(torch.get_default_device()))
         self.engram = Engram(arch, plan.engram_table, hasher, history) if plan.engram_table is not None else None
 
     def forward(self, streams: torch.Tensor, carry: torch.Tensor | None, batch: StepBatch):

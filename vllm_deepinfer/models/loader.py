@@ -4,7 +4,8 @@ The checkpoint is validated as a whole against the expected inventory before any
 written (missing tensor, wrong dtype or shape, NaN codes: the error names the tensor), so a bad
 checkpoint never leaves a half-initialised model. FP8 block and MXFP4 tensors are dequantised
 here, except into FP8-packed linears (`Linear.pack_fp8`), which take the codes and scale bytes as
-stored; MTP/DSpark (`mtp.*`) tensors belong to the drafter and the vision tower to the VL wrapper,
+stored, and routed experts with packed storage (`RoutedExperts`), which keep the MXFP4 bytes;
+MTP/DSpark (`mtp.*`) tensors belong to the drafter and the vision tower to the VL wrapper,
 so the text model skips them with one log line.
 """
 
@@ -84,13 +85,17 @@ def load_checkpoint(model: nn.Module, arch: ArchConfig, weights: Iterable[tuple[
             continue  # consumed with its weight
         if m := _EXPERT.match(name):
             prefix, e, which = m.group(1), int(m.group(2)), m.group(3)
-            value = _decode(name, tensors, block)
             inter = arch.moe_intermediate_size
             if which == "w2":
                 dst, rows = f"model.{prefix}.w2", slice(None)
             else:
                 dst, rows = f"model.{prefix}.w13", slice(0, inter) if which == "w1" else slice(inter, 2 * inter)
-            params[dst].data[e, rows].copy_(value)
+            if params[dst].dtype == torch.uint8:  # packed storage: the MXFP4 codes and E8M0 bytes as stored
+                params[dst].data[e, rows].copy_(tensors[name].view(torch.uint8))
+                params[dst + "_scale"].data[e, rows].copy_(tensors[name[: -len("weight")] + "scale"].view(torch.uint8))
+                loaded.add(dst + "_scale")
+            else:
+                params[dst].data[e, rows].copy_(_decode(name, tensors, block))
             loaded.add(dst)
             continue
         dst = target_name(name)

@@ -107,8 +107,28 @@ def hc_expand(streams, y, post, comb):
     return _dispatch("hc_expand", streams, streams, y, post, comb)
 
 
+def routed_experts_packed(x, ids, weights, w13, w13_scale, w2, w2_scale, limit, fmt="mxfp4"):
+    return _dispatch("routed_experts_packed", x, x, ids, weights, w13, w13_scale, w2, w2_scale, limit, fmt)
+
+
+EXPERT_STORAGE_ENV = "DEEPINFER_EXPERT_STORAGE"
+
+
+def packed_experts(device: torch.device | str) -> bool:
+    """Whether routed experts on `device` keep their MXFP4 codes (`routed_experts_packed`) instead of bf16.
+
+    `DEEPINFER_EXPERT_STORAGE`: `packed` or `bf16` force the choice (packed runs the reference op off
+    CUDA, for tests); anything else (`auto`, unset; values are validated by `serving.settings`): packed
+    when the device is CUDA and kernels_nvidia is available.
+    """
+    mode = os.environ.get(EXPERT_STORAGE_ENV, "auto").strip().lower()
+    if mode in ("packed", "bf16"):
+        return mode == "packed"
+    return backend_for(torch.empty(0, device=device)) == "kernels_nvidia"
+
+
 for _f in (sparse_attention, sparse_attention_indexed, sparse_attention_gathered, softmax_pool, indexer_scores,
            indexer_scores_gathered, topk_rows, linear_fp8_block,
-           hc_coefficients, hc_collapse, hc_expand):
+           hc_coefficients, hc_collapse, hc_expand, routed_experts_packed):
     _f.__doc__ = getattr(reference, _f.__name__).__doc__
 del _f

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vllm_deepinfer.checkpoint.formats import dequant_fp8_block, e8m0_decode
+from vllm_deepinfer.checkpoint.formats import dequant_fp8_block, dequant_mxfp4, e8m0_decode
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -269,6 +269,20 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     for k in range(1, K):  # fixed order: a token's sum does not depend on the batch
         out = out + y[:, k].float() * weights[:, k:k + 1]
     return out.to(x.dtype)
+
+
+def routed_experts_packed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
+                          w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, limit: float,
+                          fmt: str = "mxfp4") -> torch.Tensor:
+    """`routed_experts` with the expert weights in their stored format. fmt "mxfp4" (model-spec §4.3):
+    w13 uint8 [E, 2I, D/2] + E8M0 bytes w13_scale [E, 2I, D/32]; w2 uint8 [E, D, I/2] + w2_scale [E, D, I/32].
+
+    Dequantised (exact) to x.dtype, then `routed_experts`: bitwise equal to it on the dequantised weights.
+    """
+    if fmt != "mxfp4":
+        raise ValueError(f"routed_experts_packed: unknown expert format {fmt!r}")
+    w13, w2 = (dequant_mxfp4(w, s, checked=False).to(x.dtype) for w, s in ((w13, w13_scale), (w2, w2_scale)))
+    return routed_experts(x, ids, weights, w13, w2, limit)
 
 
 def sparse_attention_gathered(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,

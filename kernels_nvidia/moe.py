@@ -1,0 +1,185 @@
+"""Routed experts reading MXFP4 weights directly (weight-only W4A16 grouped GEMMs, Triton).
+
+Same semantics as the oracle `routed_experts_packed` (`vllm_deepinfer.ops.reference`): the weights are
+the stored MXFP4 codes (model-spec §4.3), never dequantised to memory:
+
+    w13: uint8 [E, 2I, D/2], w13_scale: uint8 (E8M0) [E, 2I, D/32]   (rows 0..I-1 = w1, I..2I-1 = w3)
+    w2:  uint8 [E, D, I/2],  w2_scale:  uint8 (E8M0) [E, D, I/32]
+    W[n, k] = e2m1(nibble(w[n, k // 2], k % 2)) * 2**(scale[n, k // 32] - 127), even k = low nibble
+
+Steps (no host sync, shapes fixed by T and K only, so CUDA-graph capturable):
+  1. torch: the T*K (token, expert) pairs, each token's experts ascending, stably sorted by expert;
+     ends[e] = #pairs with expert <= e; per-expert tiles of BM rows, tile_ends[e] = #tiles of experts <= e.
+     The grid holds min(T*K, T*K // BM + E) row tiles, an upper bound of sum_e ceil(n_e / BM);
+     programs past the last tile return at once.
+  2. `_gate_up_kernel`: per (row tile, BN columns of I): a = x W1^T, b = x W3^T with fp32 accumulation,
+     each rounded to x.dtype (the oracle's grouped-GEMM output), then h = x.dtype(silu(min(a, l)) * clamp(b, -l, l))
+     in fp32, the oracle's `swiglu_clamped` rounding points.
+  3. `_down_kernel`: y = h W2^T per pair, fp32 accumulation, stored in x.dtype.
+  4. `_combine_kernel`: out[t] = x.dtype(sum_k w[t, k] * y[t, k]) in fp32, k in ascending expert order
+     (a fixed order, no atomics).
+Tiles are constants (never chosen from the token count), every dot product of a row runs over K in the same
+fixed chunks, and a pair's row does not depend on the other rows of its tile, so a token's result is
+bitwise independent of the batch. The GEMMs are "swap AB": the dequantised weight tile [BN, BK] is the
+left operand, the gathered activations [BK, BM] the right one (the tensor-core M dimension is the weight's).
+
+Dequantisation in registers: a nibble s|e1 e0|m is placed into an fp16 (sign -> bit 15, e1 e0 m -> bits
+11..9), whose value is exactly e2m1 * 2**-14 (code 1 becomes the fp16 subnormal 2**-15; the conversion to
+fp32 is exact), then multiplied by 2**(scale - 113) in fp32. Exact for scale bytes 1..240 (weights below
+2**114); byte 0 (2**-127) decodes as 0. Scale bytes are validated at load (0xFF is rejected).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BM, BN, BK = 64, 64, 128  # pairs per row tile, output columns, reduction chunk (a multiple of 32)
+BD_COMBINE = 512
+WARPS = 4
+
+
+@triton.jit
+def _row_tile(tile_ends_ptr, ends_ptr, order_ptr, E: tl.constexpr, E_POW2: tl.constexpr, K_TOP,
+              BM: tl.constexpr):
+    """Expert, sorted row ids [BM], validity [BM] and token ids [BM] of row tile program_id(0)."""
+    pid = tl.program_id(0)
+    es = tl.arange(0, E_POW2)
+    tile_ends = tl.load(tile_ends_ptr + es, mask=es < E, other=2147483647)
+    e = tl.sum((tile_ends <= pid).to(tl.int32), axis=0)  # first expert whose tiles end after pid
+    e_c = tl.minimum(e, E - 1)
+    tile0 = tl.load(tile_ends_ptr + e_c - 1, mask=e_c > 0, other=0)
+    row0 = tl.load(ends_ptr + e_c - 1, mask=e_c > 0, other=0)
+    row_end = tl.load(ends_ptr + e_c)
+    rows = row0 + (pid - tile0) * BM + tl.arange(0, BM)
+    valid = (rows < row_end) & (e < E)
+    pair = tl.load(order_ptr + rows, mask=valid, other=0)
+    return e, e_c.to(tl.int64), rows, valid, pair // K_TOP
+
+
+@triton.jit
+def _mxfp4_tile(w_ptr, s_ptr, n, n_ok, k0, KD, stride_wn, stride_sn, BN: tl.constexpr, BK: tl.constexpr):
+    """Dequantised fp32 tile W[n, k0:k0+BK] ([BN, BK]) of one expert's packed bytes [N, KD/2] and E8M0
+    bytes [N, KD/32]; columns past KD (a multiple of 32) and rows with n_ok false are 0."""
+    kb = k0 // 2 + tl.arange(0, BK // 2)
+    kg = k0 // 32 + tl.arange(0, BK // 32)
+    b = tl.load(w_ptr + n[:, None] * stride_wn + kb[None, :], mask=n_ok[:, None] & (kb < KD // 2)[None, :],
+                other=0).to(tl.int32)
+    s = tl.load(s_ptr + n[:, None] * stride_sn + kg[None, :], mask=n_ok[:, None] & (kg < KD // 32)[None, :],
+                other=0).to(tl.int32)
+    lo = ((b & 0x08) << 12) | ((b & 0x07) << 9)  # fp16 bits of e2m1(low nibble) * 2**-14
+    hi = ((b & 0x80) << 8) | ((b & 0x70) << 5)  # same for the high nibble
+    w = tl.interleave(lo.to(tl.int16).to(tl.float16, bitcast=True),
+                      hi.to(tl.int16).to(tl.float16, bitcast=True)).to(tl.float32)  # even element = low nibble
+    scale = tl.where(s > 0, ((s + 14) << 23).to(tl.float32, bitcast=True), 0.0)  # 2**(s - 127) * 2**14
+    return tl.reshape(tl.reshape(w, (BN, BK // 32, 32)) * scale[:, :, None], (BN, BK))
+
+
+@triton.jit
+def _dot(w, xt, acc, IEEE: tl.constexpr):
+    """acc + w [BN, BK] @ xt [BK, BM]: fp32 accumulation; w is rounded to xt's dtype (exact for MXFP4 values)."""
+    if IEEE:
+        return tl.dot(w, xt, acc, input_precision="ieee")
+    return tl.dot(w.to(xt.dtype), xt, acc)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, order_ptr, ends_ptr, tile_ends_ptr, K_TOP, D, I, limit,
+                    stride_x, stride_we, stride_wn, stride_se, stride_sn,
+                    E: tl.constexpr, E_POW2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    IEEE: tl.constexpr):
+    """h[r, n] = swiglu(x[token(r)] . w1[e, n], x[token(r)] . w3[e, n]) for the BM sorted pairs r of a row tile."""
+    e, e64, rows, valid, tok = _row_tile(tile_ends_ptr, ends_ptr, order_ptr, E, E_POW2, K_TOP, BM)
+    if e >= E:
+        return
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    n_ok = n < I
+    w_e, s_e = w_ptr + e64 * stride_we, s_ptr + e64 * stride_se
+    acc_a = tl.zeros((BN, BM), tl.float32)
+    acc_b = tl.zeros((BN, BM), tl.float32)
+    for k0 in range(0, D, BK):
+        k = k0 + tl.arange(0, BK)
+        xt = tl.load(x_ptr + tok[None, :].to(tl.int64) * stride_x + k[:, None],
+                     mask=valid[None, :] & (k < D)[:, None], other=0.0)  # [BK, BM]
+        acc_a = _dot(_mxfp4_tile(w_e, s_e, n, n_ok, k0, D, stride_wn, stride_sn, BN, BK), xt, acc_a, IEEE)
+        acc_b = _dot(_mxfp4_tile(w_e, s_e, n + I, n_ok, k0, D, stride_wn, stride_sn, BN, BK), xt, acc_b, IEEE)
+    dt = h_ptr.dtype.element_ty
+    a = tl.minimum(acc_a.to(dt).to(tl.float32), limit)
+    b = tl.minimum(tl.maximum(acc_b.to(dt).to(tl.float32), -limit), limit)
+    h = a / (1.0 + tl.exp(-a)) * b
+    tl.store(h_ptr + rows[None, :].to(tl.int64) * I + n[:, None], h.to(dt), mask=valid[None, :] & n_ok[:, None])
+
+
+@triton.jit
+def _down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, order_ptr, ends_ptr, tile_ends_ptr, K_TOP, D, I,
+                 stride_we, stride_wn, stride_se, stride_sn,
+                 E: tl.constexpr, E_POW2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 IEEE: tl.constexpr):
+    """y[r, n] = h[r] . w2[e, n] for the BM sorted pairs r of a row tile (rows of h are in sorted order)."""
+    e, e64, rows, valid, tok = _row_tile(tile_ends_ptr, ends_ptr, order_ptr, E, E_POW2, K_TOP, BM)
+    if e >= E:
+        return
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    n_ok = n < D
+    w_e, s_e = w_ptr + e64 * stride_we, s_ptr + e64 * stride_se
+    acc = tl.zeros((BN, BM), tl.float32)
+    for k0 in range(0, I, BK):
+        k = k0 + tl.arange(0, BK)
+        ht = tl.load(h_ptr + rows[None, :].to(tl.int64) * I + k[:, None],
+                     mask=valid[None, :] & (k < I)[:, None], other=0.0)  # [BK, BM]
+        acc = _dot(_mxfp4_tile(w_e, s_e, n, n_ok, k0, I, stride_wn, stride_sn, BN, BK), ht, acc, IEEE)
+    tl.store(y_ptr + rows[None, :].to(tl.int64) * D + n[:, None], acc.to(y_ptr.dtype.element_ty),
+             mask=valid[None, :] & n_ok[:, None])
+
+
+@triton.jit
+def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, K_TOP, D, BD: tl.constexpr):
+    """out[t, d] = sum over k = 0..K-1 in order of w[t, k] * y[pos[t, k], d], fp32, stored in out's dtype."""
+    t = tl.program_id(0)
+    d = tl.program_id(1) * BD + tl.arange(0, BD)
+    ok = d < D
+    acc = tl.zeros((BD,), tl.float32)
+    for k in range(0, K_TOP):
+        r = tl.load(pos_ptr + t * K_TOP + k).to(tl.int64)
+        wk = tl.load(w_ptr + t * K_TOP + k).to(tl.float32)
+        acc += tl.load(y_ptr + r * D + d, mask=ok, other=0.0).to(tl.float32) * wk
+    tl.store(out_ptr + t.to(tl.int64) * D + d, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def routed_experts_packed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
+                          w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, limit: float,
+                          fmt: str = "mxfp4") -> torch.Tensor:
+    """x: [T, D] (bf16 or fp32); ids, weights: [T, K]; packed weights as in the module docstring -> [T, D]."""
+    if (fmt != "mxfp4" or x.dtype not in (torch.bfloat16, torch.float32)
+            or any(t.stride(-1) != 1 for t in (w13, w13_scale, w2, w2_scale))):
+        raise NotImplementedError(f"routed_experts_packed: format {fmt}, activations {x.dtype}")
+    T, K = ids.shape
+    E, I, D = w13.shape[0], w2.shape[2] * 2, x.shape[1]
+    if T == 0:
+        return x.new_empty(0, D)
+    x = x.contiguous()
+    w13, w13_scale, w2, w2_scale = (t.view(torch.uint8) for t in (w13, w13_scale, w2, w2_scale))
+    ids, slot = ids.sort(dim=1, stable=True)  # each token's experts ascending: the order of the sum
+    weights = weights.gather(1, slot).contiguous()
+    flat = ids.reshape(-1)
+    order = torch.sort(flat, stable=True).indices  # [T*K] pair t*K+k, grouped by expert
+    ends = torch.searchsorted(flat[order], torch.arange(1, E + 1, device=x.device), out_int32=True)
+    tiles = torch.diff(ends, prepend=ends.new_zeros(1)).add_(BM - 1).div_(BM, rounding_mode="floor")
+    tile_ends = tiles.cumsum(0, dtype=torch.int32)
+    pos = torch.empty_like(order).scatter_(0, order, torch.arange(T * K, device=x.device))  # pair -> sorted row
+    order = order.to(torch.int32)
+    n_tiles = min(T * K, T * K // BM + E)
+    common = dict(E=E, E_POW2=triton.next_power_of_2(E), BM=BM, BN=BN, BK=BK, IEEE=x.dtype == torch.float32,
+                  num_warps=WARPS, num_stages=2)
+    h = x.new_empty(T * K, I)
+    _gate_up_kernel[(n_tiles, triton.cdiv(I, BN))](
+        x, w13, w13_scale, h, order, ends, tile_ends, K, D, I, float(limit), x.stride(0),
+        w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1), **common)
+    y = x.new_empty(T * K, D)
+    _down_kernel[(n_tiles, triton.cdiv(D, BN))](
+        h, w2, w2_scale, y, order, ends, tile_ends, K, D, I,
+        w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1), **common)
+    out = x.new_empty(T, D)
+    _combine_kernel[(T, triton.cdiv(D, BD_COMBINE))](y, pos, weights, out, K, D, BD=BD_COMBINE, num_warps=WARPS)
+    return out
