@@ -37,7 +37,6 @@ from vllm_deepinfer.models.layers import (
     RMSNorm,
     _param,
     enable_activation_quant,
-    fp8_linears_packed,
     pack_fp8_linears,
 )
 from vllm_deepinfer.models.loader import load_checkpoint
@@ -80,7 +79,7 @@ class DecoderLayer(nn.Module):
         self.ffn = MoE(arch.hidden_size, arch.moe_intermediate_size, arch.n_routed_experts, arch.num_experts_per_tok,
                        arch.n_shared_experts, arch.vocab_size, plan.hash_routed, arch.routed_scaling_factor,
                        arch.swiglu_limit, arch.image_token_id if arch.family == V41 else -1,
-                       packed_experts=arch.expert_dtype == "fp4" and ops.packed_experts(torch.get_default_device()))
+                       packed_experts=arch.expert_dtype == "fp4" and ops.packed_storage(ops.EXPERT_STORAGE_ENV))
         self.engram = Engram(arch, plan.engram_table, hasher, history) if plan.engram_table is not None else None
 
     def forward(self, streams: torch.Tensor, carry: torch.Tensor | None, batch: StepBatch):
@@ -158,7 +157,7 @@ class DeepseekForCausalLM(nn.Module):
                     self.arch.family, self.arch.num_layers, ops.backend_for(torch.empty(0, device=vllm_config.device_config.device)))
         numerics = quant.configure()
         self.model = DeepseekModel(vllm_config, self.arch, prefix="model")
-        if fp8_linears_packed(vllm_config.device_config.device):
+        if ops.packed_storage(ops.FP8_LINEARS_ENV):
             fp8 = {n for n, (dtype, _) in expected_tensors(self.arch).items() if dtype == "F8_E4M3"}
             packed = pack_fp8_linears(self.model, fp8, self.arch.weight_block_size)
             logger.info("vllm-deepinfer: %d FP8 block linears keep their E4M3 codes (ops.linear_fp8_block)",

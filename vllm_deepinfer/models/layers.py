@@ -1,13 +1,11 @@
 """Parameter holders of the torch path: dense linear and RMSNorm.
 
 Checkpoint weights are dequantised once at load time (FP8 block / MXFP4 -> model dtype), except the
-FP8 block linears when packed storage is selected (`fp8_linears_packed`, `pack_fp8_linears`): those keep
+FP8 block linears when packed storage is selected (`ops.packed_storage(ops.FP8_LINEARS_ENV)`, `pack_fp8_linears`): those keep
 the checkpoint's E4M3 codes and E8M0 scale bytes and multiply through `ops.linear_fp8_block`.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 from torch import nn
@@ -25,29 +23,6 @@ V4_FP8_ACT_LINEARS = ("attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_b", "indexe
 
 def _param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
-
-
-FP8_LINEARS_ENV = "DEEPINFER_FP8_LINEARS"
-
-
-def parse_fp8_linears(value: str | None) -> str:
-    """`DEEPINFER_FP8_LINEARS` -> 'auto' (default; also unset, empty or an off value), 'packed' or 'bf16'."""
-    v = (value or "").strip().lower()
-    if v in ("", "auto", "0", "off", "false", "no", "none"):
-        return "auto"
-    if v not in ("packed", "bf16"):
-        raise ValueError(f"{FP8_LINEARS_ENV}={value!r}: expected auto, packed or bf16")
-    return v
-
-
-def fp8_linears_packed(device: torch.device | str) -> bool:
-    """Whether the FP8 block linears keep their checkpoint codes (`DEEPINFER_FP8_LINEARS`, read at model
-    construction): `packed` / `bf16` force it; `auto` packs where `ops.linear_fp8_block` runs a kernel
-    (a CUDA device with kernels_nvidia available and VLLM_DEEPINFER_KERNELS != reference)."""
-    mode = parse_fp8_linears(os.environ.get(FP8_LINEARS_ENV))
-    if mode != "auto":
-        return mode == "packed"
-    return ops.backend_for(torch.empty(0, device=device)) == "kernels_nvidia"
 
 
 class Linear(nn.Module):

@@ -111,20 +111,31 @@ def routed_experts_packed(x, ids, weights, w13, w13_scale, w2, w2_scale, limit, 
     return _dispatch("routed_experts_packed", x, x, ids, weights, w13, w13_scale, w2, w2_scale, limit, fmt)
 
 
+FP8_LINEARS_ENV = "DEEPINFER_FP8_LINEARS"
 EXPERT_STORAGE_ENV = "DEEPINFER_EXPERT_STORAGE"
 
 
-def packed_experts(device: torch.device | str) -> bool:
-    """Whether routed experts on `device` keep their MXFP4 codes (`routed_experts_packed`) instead of bf16.
+def parse_storage(env: str, value: str | None) -> str:
+    """A weight-storage setting (`DEEPINFER_FP8_LINEARS`, `DEEPINFER_EXPERT_STORAGE`) -> 'packed' or 'bf16'.
 
-    `DEEPINFER_EXPERT_STORAGE`: `packed` or `bf16` force the choice (packed runs the reference op off
-    CUDA, for tests); anything else (`auto`, unset; values are validated by `serving.settings`): packed
-    when the device is CUDA and kernels_nvidia is available.
+    `packed` keeps the checkpoint codes (E4M3 + E8M0 linears, MXFP4 experts) and multiplies through
+    `linear_fp8_block` / `routed_experts_packed` (off CUDA: their torch references, for tests); `bf16`
+    dequantises at load. `auto` (default; also unset or an off value) is the storage measured fastest on
+    the H200, bf16 today: the weight-only Triton kernels read 2-4x fewer bytes but ran at 0.1-0.8x
+    (FP8 linears) and 0.7-1.1x (MXFP4 experts) of the bf16 torch path at decode sizes
+    (benchmarks/results/kernels/2026-11-30-packed/), so packing saves memory, not time, for now.
     """
-    mode = os.environ.get(EXPERT_STORAGE_ENV, "auto").strip().lower()
-    if mode in ("packed", "bf16"):
-        return mode == "packed"
-    return backend_for(torch.empty(0, device=device)) == "kernels_nvidia"
+    v = (value or "").strip().lower()
+    if v in ("", "auto", "0", "off", "false", "no", "none"):
+        return "bf16"
+    if v not in ("packed", "bf16"):
+        raise ValueError(f"{env}={value!r}: expected auto, packed or bf16")
+    return v
+
+
+def packed_storage(env: str) -> bool:
+    """Whether the weights governed by setting `env` keep their packed checkpoint codes (read at model build)."""
+    return parse_storage(env, os.environ.get(env)) == "packed"
 
 
 for _f in (sparse_attention, sparse_attention_indexed, sparse_attention_gathered, softmax_pool, indexer_scores,

@@ -10,8 +10,8 @@ always accepted: it asks for what the plugin does anyway.
 | `DEEPINFER_HF_MODEL_DIR` | mapped: the model path. `vllm serve` with no model argument serves it; `default_model()` gives it to offline code; must be a directory with `config.json`. An explicit model argument wins (warning when they differ). |
 | `DEEPINFER_ACCELERATOR` | honoured as a check: `cuda`/`nvidia`/`gpu`, `ascend`/`npu`, `cpu` must match vLLM's platform, else start-up fails naming both. vLLM picks the platform itself. |
 | `DEEPINFER_NUMERICS` | honoured: `exact` (default) or `parity` (simulate vLLM in-tree SM90 FP8 KV records, FP8 index q/k and V4 FP8 linear activations; or a comma-separated subset `kv,index_k,index_q,act`); read once at model construction (`vllm_deepinfer/ops/quant.py`). An unknown value stops start-up. |
-| `DEEPINFER_FP8_LINEARS` | honoured: `auto` (default) keeps the FP8 block linears' E4M3 codes + E8M0 scales on the GPU (weight-only FP8 GEMM `ops.linear_fp8_block`) when the model runs on CUDA with `kernels_nvidia` and `VLLM_DEEPINFER_KERNELS` is not `reference`, else dequantises them to the model dtype at load; `packed` / `bf16` force either storage (`packed` on the CPU runs the torch reference op, for tests); read at model construction (`vllm_deepinfer/models/layers.py`). An unknown value stops start-up. |
-| `DEEPINFER_EXPERT_STORAGE` | honoured: `auto` (default: routed experts keep their MXFP4 codes on CUDA with kernels_nvidia, else BF16 dequantised at load), `packed` or `bf16` force it (packed off CUDA runs the torch reference op: for tests); read at model construction (`vllm_deepinfer.ops.packed_experts`). An unknown value stops start-up. |
+| `DEEPINFER_FP8_LINEARS` | honoured: `packed` keeps the FP8 block linears' E4M3 codes + E8M0 scale bytes and multiplies through the weight-only FP8 GEMM `ops.linear_fp8_block` (half the weight memory; on CPU the torch reference op, for tests); `bf16` dequantises them at load; `auto` (default) = the storage measured fastest on the H200, `bf16` today (`vllm_deepinfer.ops.parse_storage`). Read at model construction. An unknown value stops start-up. |
+| `DEEPINFER_EXPERT_STORAGE` | honoured: `packed` keeps the routed experts' MXFP4 codes + scales and runs `ops.routed_experts_packed` (a quarter of the expert memory); `bf16` dequantises at load; `auto` (default) = the storage measured fastest on the H200, `bf16` today (`vllm_deepinfer.ops.parse_storage`). Read at model construction. An unknown value stops start-up. |
 | `DEEPINFER_BATCH_INVARIANT` | rejected when on: the batch-invariant, per-request-seeded sampler is not in the plugin yet. vLLM's `VLLM_BATCH_INVARIANT=1` is not an equivalent (different kernels/sampler, no DeepInfer bitwise guarantee), so it is not silently substituted. |
 | `DEEPINFER_ENABLE_MTP_VARLEN` | rejected when on: DSpark/MTP variable-length drafting is not in the plugin yet (vLLM equivalent will be `--speculative-config`). |
 | `DEEPINFER_USE_NEXTN_DECODE` | rejected when on: NextN (MTP) decode is speculative decoding, not in the plugin yet (`--speculative-config`). |
@@ -61,10 +61,10 @@ SETTINGS: dict[str, Setting] = {
                 "numerics of the torch model: exact (BF16/fp32 KV and activations, default) or parity "
                 "(quantise-dequantise like vLLM's in-tree SM90 path)"),
         Setting("DEEPINFER_FP8_LINEARS", "honoured", "none (vLLM's in-tree models always keep FP8 weights)",
-                "storage of the FP8 block linears: auto, packed (E4M3 codes + E8M0 scales, weight-only FP8 GEMM) "
-                "or bf16 (dequantised at load)"),
+                "storage of the FP8 block linears: auto (= bf16 today, measured faster), packed (E4M3 codes + E8M0 "
+                "scales, weight-only FP8 GEMM) or bf16 (dequantised at load)"),
         Setting("DEEPINFER_EXPERT_STORAGE", "honoured", "none (in-tree always runs MXFP4 experts packed)",
-                "storage of the routed experts: auto (MXFP4 codes on CUDA, BF16 elsewhere), packed or bf16"),
+                "storage of the routed experts: auto (= bf16 today, measured faster), packed (MXFP4 codes) or bf16"),
         Setting("DEEPINFER_BATCH_INVARIANT", "reject", "none yet (VLLM_BATCH_INVARIANT is not equivalent)",
                 "the batch-invariant, per-request-seeded sampler is not implemented in vllm-deepinfer yet"),
         Setting("DEEPINFER_ENABLE_MTP_VARLEN", "reject", "--speculative-config (future)",
@@ -116,18 +116,13 @@ def check(environ: dict[str, str] | None = None, platform_device: str | None = N
                 errors.append(str(e))
             else:
                 notes.append(f"{name}: " + ("parity " + ",".join(sorted(parts)) if parts else "exact"))
-        elif name == "DEEPINFER_FP8_LINEARS":
-            from vllm_deepinfer.models.layers import parse_fp8_linears
+        elif name in ("DEEPINFER_FP8_LINEARS", "DEEPINFER_EXPERT_STORAGE"):
+            from vllm_deepinfer.ops import parse_storage
 
             try:
-                notes.append(f"{name}: {parse_fp8_linears(value)}")
+                notes.append(f"{name}: {parse_storage(name, value)}")
             except ValueError as e:
                 errors.append(str(e))
-        elif name == "DEEPINFER_EXPERT_STORAGE":
-            if not _is_off(value) and value.strip().lower() not in ("auto", "packed", "bf16"):
-                errors.append(f"{name}={value!r} is unknown; accepted: auto, packed, bf16")
-            else:
-                notes.append(f"{name}: {value.strip().lower()}")
         elif name == "DEEPINFER_ACCELERATOR":
             if _is_off(value) or value.strip().lower() == "auto":
                 continue
