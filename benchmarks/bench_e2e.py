@@ -21,8 +21,9 @@ What is measured (warm-up runs excluded; median of --reps timed runs, each with 
   decode    for each B in --decode-batches: B prompts of --decode-prompt-len ids; time T(max_tokens=D) and
             T(max_tokens=1) with the same batch shape; output tok/s = B * (D - 1) / (T(D) - T(1)), i.e. the
             prefill (and first token) is subtracted. Also reported: the plain B * D / T(D).
-  profile   (--profile; the plugin only) torch.profiler around one prefill call (the middle N) and one decode call
-            (the largest B, D tokens); the top ops by device time (CPU time on CPU) are printed and saved. The
+  profile   (--profile; the plugin only) torch.profiler around one prefill call (the middle N), and the decode
+            steps alone at batch --profile-batch: per op, (T(D) call - T(1) call) / (D - 1); the top ops by device
+            time (CPU time on CPU) are printed and saved. The
             engine then runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the profiler sees the model; with
             --profile both implementations run in-process so their timings stay comparable.
 
@@ -208,38 +209,47 @@ def worker(a) -> None:
 
 
 def profile(a, timed, prefill_ns, decode_bs) -> dict:
+    """torch.profiler top ops of one prefill call, and the per-step decode breakdown at batch
+    --profile-batch: the call generating D tokens minus the call generating 1 (same prompts' shapes), per op,
+    divided by D - 1 — so the prefill inside both calls cancels and only decode steps remain."""
     import torch
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as tprofile
 
     cuda = torch.cuda.is_available()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    n = prefill_ns[len(prefill_ns) // 2]
-    p = min(n, a.prompt_len)
-    cases = {f"prefill_{max(1, n // p)}x{p}": (max(1, n // p), p, 1),
-             f"decode_b{max(decode_bs)}_{a.decode_tokens}tok": (max(decode_bs), a.decode_prompt_len, a.decode_tokens)}
-    key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    out = {}
-    for name, (k, length, mt) in cases.items():
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+
+    def run(k: int, length: int, mt: int) -> dict[str, tuple[float, int]]:
         timed(k, length, mt)  # warm
         with tprofile(activities=acts) as prof:
             timed(k, length, mt)
-        avgs = prof.key_averages()
-        attr = "self_device_time_total" if cuda else "self_cpu_time_total"
-        total = sum(getattr(e, attr, 0) for e in avgs) or 1
-        rows = sorted(avgs, key=lambda e: getattr(e, attr, 0), reverse=True)[: a.profile_top]
-        out[name] = {"total_us": total, "sort": attr, "top": [
-            {"op": e.key, "self_us": getattr(e, attr, 0), "pct": 100.0 * getattr(e, attr, 0) / total,
-             "calls": e.count} for e in rows]}
-        print(f"\n[ours] profile {name}: top {a.profile_top} ops by {attr} (total {total / 1e3:.1f} ms)", flush=True)
-        try:
-            print(avgs.table(sort_by=key, row_limit=a.profile_top, max_name_column_width=60), flush=True)
-        except Exception:  # noqa: BLE001  (older/newer key names)
-            for r in out[name]["top"]:
-                print(f"  {r['self_us'] / 1e3:9.2f} ms {r['pct']:5.1f}%  x{r['calls']:<6} {r['op'][:80]}")
         if a.trace_dir:
             Path(a.trace_dir).mkdir(parents=True, exist_ok=True)
-            prof.export_chrome_trace(str(Path(a.trace_dir) / f"ours_{name}.json"))
+            prof.export_chrome_trace(str(Path(a.trace_dir) / f"ours_{k}x{length}_{mt}tok.json"))
+        return {e.key: (getattr(e, attr, 0), e.count) for e in prof.key_averages()}
+
+    def table(name: str, ops: dict[str, tuple[float, int]], unit: str) -> dict:
+        total = sum(us for us, _ in ops.values()) or 1
+        rows = sorted(ops.items(), key=lambda kv: kv[1][0], reverse=True)[: a.profile_top]
+        print(f"\n[ours] profile {name}: top {a.profile_top} ops by {attr} (total {total / 1e3:.3f} ms{unit})",
+              flush=True)
+        for op, (us, calls) in rows:
+            print(f"  {us / 1e3:9.3f} ms {100 * us / total:5.1f}%  x{calls:<8g} {op[:90]}", flush=True)
+        return {"total_us": total, "sort": attr, "unit": unit, "top": [
+            {"op": op, "self_us": us, "pct": 100.0 * us / total, "calls": calls} for op, (us, calls) in rows]}
+
+    n = prefill_ns[len(prefill_ns) // 2]
+    p = min(n, a.prompt_len)
+    k = max(1, n // p)
+    out = {f"prefill_{k}x{p}": table(f"prefill {k}x{p}", run(k, p, 1), "")}
+    b = a.profile_batch if a.profile_batch in decode_bs else max(decode_bs)
+    D = a.decode_tokens
+    one, many = run(b, a.decode_prompt_len, 1), run(b, a.decode_prompt_len, D)
+    step = {op: ((us - one.get(op, (0, 0))[0]) / (D - 1), (c - one.get(op, (0, 0))[1]) / (D - 1))
+            for op, (us, c) in many.items()}
+    step = {op: v for op, v in step.items() if v[0] > 0}
+    out[f"decode_b{b}_per_step"] = table(f"decode batch {b}, per step (T({D}) - T(1)) / {D - 1}", step, " per step")
     return out
 
 
@@ -294,6 +304,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-jit-warmup", action="store_true", help="kernel_config: no JIT warm-up / FlashInfer autotune")
     p.add_argument("--profile", action="store_true", help="torch.profiler top ops for ours (runs engines in-process)")
     p.add_argument("--profile-top", type=int, default=25)
+    p.add_argument("--profile-batch", type=int, default=64, help="decode batch of the per-step profile")
     p.add_argument("--inproc", action="store_true", help="VLLM_ENABLE_V1_MULTIPROCESSING=0 (implied by --profile)")
     p.add_argument("--timeout", type=int, default=900, help="seconds per implementation subprocess")
     p.add_argument("--device-smoke", action="store_true",

@@ -6,11 +6,14 @@
 #   bash benchmarks/gpu_session.sh vllm BUDGET_S    # after READY: plugin wheel + tiny-gpu checkpoints, then
 #       in-tree full-width benchmark (foreground) || the plugin's fidelity runs with CUDA graphs (background)
 #   bash benchmarks/gpu_session.sh ours-bench BUDGET_S   # the plugin's full-width benchmark (+ profile), same --out
+#   bash benchmarks/gpu_session.sh intree-bench BUDGET_S # vLLM in-tree full-width benchmark alone (the baseline column)
 #   bash benchmarks/gpu_session.sh memo BUDGET_S    # fidelity on the memorised-head checkpoints (token identity
 #       test): in-tree V4.1 + V4 (eager) || the plugin with CUDA graphs, exact and parity numerics
 #       (needs .gpuwork/head-{v41,v4}.safetensors from benchmarks/memorize_head.py, see NOTES.md)
 #   bash benchmarks/gpu_session.sh fw BUDGET_S      # a full-width reduced-depth V4.1 checkpoint made here by
 #       make_checkpoint --preset full-width: in-tree (eager) || the plugin with CUDA graphs, exact and parity
+#   bash benchmarks/gpu_session.sh jit-save [FIRST] # last call on a warm host: JIT caches -> $OUT/jit (copy that
+#       folder to .gpuwork/jit here; the next host's first vllm_env restores it)
 #   (then on CPU: python benchmarks/bench_e2e.py --report DIR   -> ours/in-tree table with ratios)
 #
 # Logs and JSON go to $OUT (the device tool brings them back); the last lines printed are a summary.
@@ -42,6 +45,10 @@ vllm_env() {  # plugin wheel first, then env.sh (it puts /root/gpu-env/plugin on
   python3 -m pip install -q --upgrade --no-index --no-deps --target /root/gpu-env/plugin .gpuwork/whl/*.whl
   source shared/gpu/env.sh || { echo "env.sh: stack not READY"; exit 1; }
   export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 VLLM_DEEP_GEMM_WARMUP=skip
+  # JIT caches of an earlier host (DeepGEMM, TileLang, Triton, FlashInfer, torch.compile), see jit-save
+  if [ -f .gpuwork/jit/jit.manifest ] && [ ! -f /root/gpu-stage/jit-restored ]; then
+    bash shared/gpu/jit-cache.sh restore .gpuwork/jit | tail -1 && touch /root/gpu-stage/jit-restored
+  fi
 }
 
 # The device returns at most 8 files per call: logs go to $LOGS and come back as one tarball (pack_logs),
@@ -162,5 +169,6 @@ case "$mode" in
   intree-bench) intree_bench "${2:-560}" ;;
   memo) memo_session "${2:-560}" ;;
   fw) fw_session "${2:-560}" ;;
-  *) echo "usage: $0 kernels|stage DIR|vllm BUDGET_S|ours-bench BUDGET_S|memo BUDGET_S|fw BUDGET_S" >&2; exit 2 ;;
+  jit-save) bash shared/gpu/jit-cache.sh save "$OUT/jit" "${2:-0}" ;;
+  *) echo "usage: $0 kernels|stage DIR|vllm BUDGET_S|ours-bench BUDGET_S|memo BUDGET_S|fw BUDGET_S|intree-bench BUDGET_S|jit-save [FIRST]" >&2; exit 2 ;;
 esac
