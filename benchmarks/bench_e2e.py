@@ -23,7 +23,7 @@ What is measured (warm-up runs excluded; median of --reps timed runs, each with 
             prefill (and first token) is subtracted. Also reported: the plain B * D / T(D).
   profile   (--profile; the plugin only) torch.profiler around one prefill call (the middle N), and the decode
             steps alone at batch --profile-batch: per op, (T(D) call - T(1) call) / (D - 1); the top ops by device
-            time (CPU time on CPU) are printed and saved. The
+            time (kernels only; CPU ops' self time on CPU) are printed and saved. The
             engine then runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the profiler sees the model; with
             --profile both implementations run in-process so their timings stay comparable.
 
@@ -227,7 +227,9 @@ def profile(a, timed, prefill_ns, decode_bs) -> dict:
         if a.trace_dir:
             Path(a.trace_dir).mkdir(parents=True, exist_ok=True)
             prof.export_chrome_trace(str(Path(a.trace_dir) / f"ours_{k}x{length}_{mt}tok.json"))
-        return {e.key: (getattr(e, attr, 0), e.count) for e in prof.key_averages()}
+        # On CUDA only kernel rows: an aten op's self device time is its kernels' time again.
+        return {e.key: (getattr(e, attr, 0), e.count) for e in prof.key_averages()
+                if not cuda or e.device_type == torch.autograd.DeviceType.CUDA}
 
     def table(name: str, ops: dict[str, tuple[float, int]], unit: str) -> dict:
         total = sum(us for us, _ in ops.values()) or 1

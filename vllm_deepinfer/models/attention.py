@@ -119,12 +119,12 @@ class Attention(nn.Module):
         pos = span.pos(dev)
         self.window_cache.write(meta, span.req, pos, kv)
         lo = max(0, span.first_pos - self.window + 1)
-        rows = [self.window_cache.read(meta, span.req, torch.arange(lo, int(pos[-1]) + 1, device=dev))]
+        rows = [self.window_cache.read(meta, span.req, torch.arange(lo, span.last_pos + 1, device=dev))]
         window = pos.unsqueeze(1) - self.window + 1 + torch.arange(self.window, device=dev)   # [n, W]
         ids = [torch.where(window >= lo, window - lo, -1)]
         if self.plan.ratio > 0:
             n_visible = (pos + 1) // self.plan.ratio
-            n_rows = int(n_visible.max())
+            n_rows = (span.last_pos + 1) // self.plan.ratio
             if n_rows > 0:
                 offset = rows[0].shape[0]
                 rows.append(self.kv_source.read(batch.meta(self.kv_source), span.req,

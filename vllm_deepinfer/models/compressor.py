@@ -78,9 +78,10 @@ class Compressor(nn.Module):
         for span in batch:
             pos = span.pos(x.device)
             self.state_cache.write(meta, span.req, pos, state[span.start:span.end])
-            g = pos[(pos + 1) % m == 0] // m
-            if g.numel() == 0:
+            closed = span.closed_groups(m)
+            if not closed:
                 continue
+            g = torch.arange(closed.start, closed.stop, device=x.device)
             out.append(ClosedRows(span.req, g, self.norm(self._pool(meta, span.req, g))))
         return out
 

@@ -92,7 +92,7 @@ class Indexer(nn.Module):
         for span in batch:
             pos = batch.positions[span.start:span.end].long()
             n_valid = (pos + 1) // self.ratio                       # rows visible to each token [n]
-            n_rows = int(n_valid.max())
+            n_rows = (span.last_pos + 1) // self.ratio
             if n_rows == 0:
                 continue
             rows = torch.arange(n_rows, device=dev)

@@ -21,6 +21,15 @@ class RequestSpan:
     end: int
     first_pos: int
 
+    @property
+    def last_pos(self) -> int:
+        """Position of the span's last token (host arithmetic: no device read)."""
+        return self.first_pos + self.end - self.start - 1
+
+    def closed_groups(self, m: int) -> range:
+        """Groups g of m positions closed by a token of this span (position m*g + m - 1 lies in it)."""
+        return range(-(-(self.first_pos + 1) // m) - 1, (self.last_pos + 1) // m)
+
     def pos(self, device: torch.device, before: int = 0) -> torch.Tensor:
         """Positions of the span's tokens, preceded by `before` earlier positions (may be negative)."""
         return torch.arange(self.first_pos - before, self.first_pos + self.end - self.start, device=device)
