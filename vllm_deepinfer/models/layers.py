@@ -1,8 +1,8 @@
 """Parameter holders of the torch path: dense linear and RMSNorm.
 
 Checkpoint weights are dequantised once at load time (FP8 block / MXFP4 -> model dtype), except the
-FP8 block linears when packed storage is selected (`ops.packed_storage(ops.FP8_LINEARS_ENV)`, `pack_fp8_linears`): those keep
-the checkpoint's E4M3 codes and E8M0 scale bytes and multiply through `ops.linear_fp8_block`.
+FP8 block linears when packed storage is selected (`DEEPINFER_FP8_LINEARS=packed`, `pack_fp8_linears`):
+those keep the checkpoint's E4M3 codes and E8M0 scale bytes and multiply through `ops.linear_fp8_block`.
 """
 
 from __future__ import annotations
