@@ -95,9 +95,7 @@ def bench_fp8_linears(copy_gbs, gemm_tf, quick, block=(32, 32)):
             x = torch.randn(m, groups * k, device=DEV, dtype=BF)
             nbytes = w.numel() + s.numel() + x.numel() * 2 + m * n * 2
             flops = 2 * m * n * k
-            torch_mm = ((lambda: x @ wd.t()) if groups == 1 else
-                        (lambda: ref.grouped_low_rank(x, wd, groups)))
-            ms_r = bench(torch_mm)
+            ms_r = bench(lambda: ref.linear(x, wd, groups))
             ms_k = bench(lambda: kgemm.linear_fp8_block(x, w, s, block, groups))
             record(f"fp8_linear {name} M={m} N={n} K={k}x{groups}", ms_k, ms_r, nbytes, flops, copy_gbs, gemm_tf)
             if m > kgemm.DIRECT_MAX_M:  # the batch-invariant direct kernel at prefill sizes, for the threshold

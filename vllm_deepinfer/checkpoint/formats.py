@@ -87,6 +87,11 @@ def e8m0_decode(scale: torch.Tensor) -> torch.Tensor:
     return _as_u8(scale).view(E8M0_DTYPE).to(torch.float32)
 
 
+def _scales(scale: torch.Tensor, checked: bool) -> torch.Tensor:
+    """E8M0 scales -> fp32; `checked` rejects 0xFF (a host sync), else the unchecked cast."""
+    return e8m0_to_float(scale) if checked else e8m0_decode(scale)
+
+
 def float_exponent_to_e8m0(exp: torch.Tensor) -> torch.Tensor:
     """Integer exponents ``e`` (value ``2**e``, ``-127 <= e <= 127``) -> ``float8_e8m0fnu`` tensor."""
     e = exp.to(torch.int32)
@@ -184,8 +189,7 @@ def dequant_mxfp4(weight: torch.Tensor, scale: torch.Tensor, checked: bool = Tru
                           f"(expected {tuple(b.shape[:-1]) + (k // MX_BLOCK,)})")
     pair_lut = _E2M1_PAIR_LUT.to(b.device)  # byte -> (low-nibble value, high-nibble value)
     vals = pair_lut.index_select(0, b.reshape(-1).to(torch.int32)).view(*b.shape[:-1], k)  # fresh, contiguous
-    s = e8m0_to_float(scale) if checked else e8m0_decode(scale)
-    vals.view(*b.shape[:-1], k // MX_BLOCK, MX_BLOCK).mul_(s.unsqueeze(-1))
+    vals.view(*b.shape[:-1], k // MX_BLOCK, MX_BLOCK).mul_(_scales(scale, checked).unsqueeze(-1))
     return vals
 
 
@@ -237,8 +241,7 @@ def dequant_fp8_rows(weight: torch.Tensor, scale: torch.Tensor, group: int = MX_
         raise FormatError(f"row scale shape {tuple(scale.shape)} does not match weight {tuple(weight.shape)} "
                           f"with group {group}")
     w = fp8_to_float(weight)
-    s = e8m0_to_float(scale) if checked else e8m0_decode(scale)
-    w.view(*weight.shape[:-1], d // group, group).mul_(s.unsqueeze(-1))
+    w.view(*weight.shape[:-1], d // group, group).mul_(_scales(scale, checked).unsqueeze(-1))
     return w
 
 

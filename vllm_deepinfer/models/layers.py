@@ -57,12 +57,10 @@ class Linear(nn.Module):
 
     def matmul(self, x: torch.Tensor, groups: int = 1) -> torch.Tensor:
         """x [T, G*K] -> x W^T [T, N] without activation quantisation; groups = G > 1: the block-diagonal
-        product of `ops.grouped_low_rank` (x group g times rows g*N/G.. of W)."""
+        product of `ops.linear` (x group g times rows g*N/G.. of W)."""
         if self.scale is not None:
             return ops.linear_fp8_block(x, self.weight, self.scale, self.block, groups)
-        if groups == 1:
-            return x @ self.weight.t()
-        return ops.grouped_low_rank(x.view(x.shape[0], groups, -1), self.weight, groups)
+        return ops.linear(x, self.weight, groups)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.act_dtype)

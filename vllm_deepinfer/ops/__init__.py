@@ -21,6 +21,7 @@ from vllm_deepinfer.ops.reference import (  # noqa: F401  (reference-only ops)
     apply_rope,
     grouped_low_rank,
     hc_head_weights,
+    linear,
     rms_norm,
     rope_cos_sin,
     routed_experts,

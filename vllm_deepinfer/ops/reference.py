@@ -116,16 +116,20 @@ def grouped_low_rank(o: torch.Tensor, wo_a: torch.Tensor, groups: int) -> torch.
     return torch.einsum("tgk,grk->tgr", og, wo_a.view(groups, -1, og.shape[-1])).reshape(t, -1)
 
 
+def linear(x: torch.Tensor, w: torch.Tensor, groups: int = 1) -> torch.Tensor:
+    """y = x W^T. x: [T, G*K]; w: [N, K] -> [T, N]; groups = G > 1: block-diagonal product
+    (`grouped_low_rank`, the grouped `wo_a`)."""
+    if groups == 1:
+        return x @ w.t()
+    return grouped_low_rank(x.view(x.shape[0], groups, -1), w, groups)
+
+
 def linear_fp8_block(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
                      groups: int = 1) -> torch.Tensor:
-    """y = x W^T with W = dequant_fp8_block(w, scale, block) in x.dtype (model-spec §4.2).
+    """`linear` with W = dequant_fp8_block(w, scale, block) in x.dtype (model-spec §4.2).
 
-    x: [T, G*K]; w: E4M3 [N, K]; scale: E8M0 bytes (uint8) [ceil(N/BN), ceil(K/BK)] -> [T, N].
-    groups = G > 1: block-diagonal product (`grouped_low_rank`, the grouped `wo_a`)."""
-    wd = dequant_fp8_block(w, e8m0_decode(scale), block).to(x.dtype)
-    if groups == 1:
-        return x @ wd.t()
-    return grouped_low_rank(x.view(x.shape[0], groups, -1), wd, groups)
+    x: [T, G*K]; w: E4M3 [N, K]; scale: E8M0 bytes (uint8) [ceil(N/BN), ceil(K/BK)] -> [T, N]."""
+    return linear(x, dequant_fp8_block(w, e8m0_decode(scale), block).to(x.dtype), groups)
 
 
 # ----------------------------------------------------------------------------- compressor
