@@ -2,7 +2,7 @@
 
 W is stored as E4M3 codes [N, K] with one E8M0 scale per (BN_s x BK_s) block. A task is one BM x BN
 output tile; it walks K in fixed BK chunks (BK divides the scale block, so a chunk has one scale per
-row), decodes the codes to fp32 in the vector unit (exact), scales them, rounds them to x.dtype (exact:
+row; 64, or the scale block when smaller), decodes the codes to fp32 in the vector unit (exact), scales them, rounds them to x.dtype (exact:
 3 mantissa bits) and multiplies on the cube unit with fp32 accumulation. The product equals the
 oracle's (dequantise, cast, matmul) up to the summation order.
 
@@ -59,8 +59,9 @@ def linear_fp8_block(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bloc
     if w.element_size() != 1 or scale.element_size() != 1 or x.dtype not in (torch.bfloat16, torch.float16,
                                                                             torch.float32):
         raise NotImplementedError(f"fp8 block linear takes E4M3 w and E8M0 scale bytes; got {w.dtype}, {scale.dtype}")
-    if sbk % BK or not is_pow2(sbk) or n % groups or (groups > 1 and (n // groups) % BN):
-        raise NotImplementedError(f"scale block K {sbk} must be a power-of-two multiple of {BK}; "
+    bk = min(BK, sbk)   # a chunk never straddles a scale block: V4.1's 32 x 32, V4's 128 x 128
+    if not is_pow2(sbk) or sbk < 16 or n % groups or (groups > 1 and (n // groups) % BN):
+        raise NotImplementedError(f"scale block K {sbk} must be a power of two >= 16; "
                                   f"group width {n // groups} a multiple of {BN}")
     if x.shape[1] != groups * k:
         raise ValueError(f"x has {x.shape[1]} columns, expected {groups} x {k}")
@@ -70,5 +71,5 @@ def linear_fp8_block(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bloc
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _fp8_block_kernel[grid(triton.cdiv(m, BM) * triton.cdiv(n, BN))](
         x, w8, s8, y, m, n, k, n // groups, x.stride(0), w8.stride(0), s8.stride(0), y.stride(0), sbn, sbk,
-        BM=BM, BN=BN, BK=BK, F32=F32DOT)
+        BM=BM, BN=BN, BK=bk, F32=F32DOT)
     return y

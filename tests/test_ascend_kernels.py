@@ -7,8 +7,9 @@ error ||out - ref|| / ||ref|| against the oracle evaluated in fp32 on the CPU on
 fp32 inputs 2e-5 (only the summation order differs), bf16 inputs 1.5e-2 (bf16 operands and outputs; in
 the interpreter bf16 dot operands are upcast to fp32, see kernels_ascend.common.F32DOT, and triton 3.9's
 interpreter casts fp32 -> bf16 by truncation, not round-to-nearest, so bf16 errors there run ~2x those of
-hardware: 3-4e-3 for one rounding, 1.1e-2 for the experts' three). The routed experts compare with the
-oracle in the input dtype (it rounds the GEMM outputs to bf16 as the kernels do). Shapes are
+hardware and the bf16 bound is doubled there: 3-4e-3 for one rounding, 1-1.6e-2 for the experts' four; the
+expert kernels' bf16 output equals a truncating torch emulation bit for bit). The routed experts compare
+with the oracle in the input dtype (it rounds the GEMM outputs to bf16 as the kernels do). Shapes are
 small so that the whole file runs in well under a minute in the interpreter; odd sizes (heads, rows,
 columns that are not multiples of the tiles) exercise every mask.
 """
@@ -86,8 +87,9 @@ def _cpu(*ts):
 
 def _check(name: str, got: torch.Tensor, want: torch.Tensor, dtype) -> None:
     err = _rel(got, want)
+    bound = BOUND[dtype] * (2 if got.device.type == "cpu" and dtype == torch.bfloat16 else 1)  # interpreter
     print(f"{name} {dtype}: rel err {err:.2e}")
-    assert err < BOUND[dtype], f"{name}: {err:.2e} >= {BOUND[dtype]}"
+    assert err < bound, f"{name}: {err:.2e} >= {bound}"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -178,17 +180,17 @@ def test_hc_collapse_expand(ka, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("groups", [1, 2])
-def test_linear_fp8_block(ka, dtype, groups):
+@pytest.mark.parametrize("groups,block", [(1, 128), (2, 128), (1, 32)])   # V4: 128 x 128 blocks, V4.1: 32 x 32
+def test_linear_fp8_block(ka, dtype, groups, block):
     ops, dev = ka
     _seed()
-    t, n, k = 5, (192 if groups == 1 else 128), 320    # partial scale blocks in N and K
-    w, scale = formats.quant_fp8_block(torch.randn(n, k) * 0.05, 128)
+    t, n, k = 5, (192 if groups == 1 else 128), 320    # partial scale blocks in N and K at 128
+    w, scale = formats.quant_fp8_block(torch.randn(n, k) * 0.05, block)
     x = torch.randn(t, groups * k).to(dtype)
-    got = ops.linear_fp8_block(x.to(dev), w.to(dev), scale.to(dev), (128, 128), groups)
-    want = ref.linear_fp8_block(x.float(), w, scale, (128, 128), groups)
+    got = ops.linear_fp8_block(x.to(dev), w.to(dev), scale.to(dev), (block, block), groups)
+    want = ref.linear_fp8_block(x.float(), w, scale, (block, block), groups)
     assert got.dtype == dtype
-    _check(f"linear_fp8_block groups={groups}", got, want, dtype)
+    _check(f"linear_fp8_block groups={groups} block={block}", got, want, dtype)
 
 
 def _experts(e: int, d: int, inter: int):
@@ -225,6 +227,6 @@ def test_declines_unsupported_shapes(ka):
     with pytest.raises(NotImplementedError):
         ops.sparse_attention(q, torch.randn(5, 96, device=dev), torch.ones(2, 5, dtype=torch.bool, device=dev),
                              torch.zeros(4, device=dev), 0.1)
-    w, s = formats.quant_fp8_block(torch.randn(64, 96), (64, 96))
+    w, s = formats.quant_fp8_block(torch.randn(64, 96), (64, 96))   # a 96-wide scale block
     with pytest.raises(NotImplementedError):
         ops.linear_fp8_block(torch.randn(2, 96, device=dev), w.to(dev), s.to(dev), (64, 96))
