@@ -31,7 +31,7 @@ import os
 
 _OPS = None
 _AVAILABLE: bool | None = None
-_CORES: int | None = None
+_CORES: tuple[int, int] | None = None
 
 #: Programs a kernel launches when no NPU reports its core count (the Triton interpreter): small, so
 #: the tests exercise programs that loop over several tasks.
@@ -64,25 +64,37 @@ def available() -> bool:
     return _AVAILABLE
 
 
+#: Comma-separated op names whose kernel is not used (the torch reference, i.e. torch_npu's library ops, runs
+#: instead), e.g. ops that `benchmarks/ascend/validate.sh` measured slower than torch_npu on the 950.
+OPS_OFF_ENV = "KERNELS_ASCEND_OPS_OFF"
+
+
 def load_ops():
-    """The kernel module (`kernels_ascend.ops`); raises ImportError when Triton is missing."""
+    """The enabled kernels of `kernels_ascend.ops` as a namespace (`OPS` minus $KERNELS_ASCEND_OPS_OFF);
+    raises ImportError when Triton is missing and ValueError for an unknown op name."""
     global _OPS
     if _OPS is None:
-        from kernels_ascend import ops as _mod
-        _OPS = _mod
+        import types
+
+        from kernels_ascend import ops as mod
+        off = {n.strip() for n in os.environ.get(OPS_OFF_ENV, "").split(",") if n.strip()}
+        if off - set(mod.OPS):
+            raise ValueError(f"{OPS_OFF_ENV}: unknown ops {sorted(off - set(mod.OPS))}; known: {', '.join(mod.OPS)}")
+        _OPS = types.SimpleNamespace(**{n: getattr(mod, n) for n in mod.OPS if n not in off})
     return _OPS
 
 
-def num_cores() -> int:
-    """AI cores of the current NPU (the grid size of every kernel); INTERPRETER_CORES without one."""
+def num_cores(vector: bool = False) -> int:
+    """Programs per launch on the current NPU: its AI cores (kernels using the cube unit), or its vector
+    cores (`vector`: kernels without `tl.dot`); INTERPRETER_CORES without an NPU."""
     global _CORES
     if _CORES is None:
-        _CORES = INTERPRETER_CORES
+        _CORES = (INTERPRETER_CORES, INTERPRETER_CORES)
         if not interpreting() and npu_present():
             import torch
             import triton
             props = triton.runtime.driver.active.utils.get_device_properties(torch.npu.current_device())
-            _CORES = int(props.get("num_aicore", -1))
-            if _CORES <= 0:
-                raise RuntimeError(f"triton-ascend reported no AI cores: {props}")
-    return _CORES
+            _CORES = (int(props.get("num_aicore", -1)), int(props.get("num_vectorcore", -1)))
+            if min(_CORES) <= 0:
+                raise RuntimeError(f"triton-ascend reported no AI/vector cores: {props}")
+    return _CORES[1] if vector else _CORES[0]

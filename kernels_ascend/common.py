@@ -12,9 +12,10 @@ from kernels_ascend import interpreting, num_cores
 F32DOT = interpreting()
 
 
-def grid(tasks: int) -> tuple[int]:
-    """Persistent 1-D grid: one program per AI core (at most), each looping over its tasks."""
-    return (max(1, min(tasks, num_cores())),)
+def grid(tasks: int, vector: bool = False) -> tuple[int]:
+    """Persistent 1-D grid: one program per AI core (at most; per vector core for kernels without tl.dot),
+    each looping over its tasks."""
+    return (max(1, min(tasks, num_cores(vector))),)
 
 
 def pow2(n: int) -> int:

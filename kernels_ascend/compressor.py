@@ -40,7 +40,7 @@ def softmax_pool(values: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     if values.stride(-1) != 1 or logits.stride(-1) != 1:
         values, logits = values.contiguous(), logits.contiguous()
     out = torch.empty(g, c, dtype=torch.float32, device=values.device)
-    _softmax_pool_kernel[grid(g * triton.cdiv(c, BC))](
+    _softmax_pool_kernel[grid(g * triton.cdiv(c, BC), vector=True)](
         values, logits, out, g, s, c, values.stride(0), values.stride(1), logits.stride(0), logits.stride(1),
         out.stride(0), SP=pow2(s), BC=BC)
     return out

@@ -114,7 +114,7 @@ def hc_coefficients(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor,
     pre = torch.empty(t, h, dtype=torch.float32, device=streams.device)
     post = torch.empty_like(pre)
     comb = torch.empty(t, h, h, dtype=torch.float32, device=streams.device)
-    _hc_coefficients_kernel[grid(t)](
+    _hc_coefficients_kernel[grid(t, vector=True)](
         x, fn, base.float().contiguous(), scale.float().contiguous(), pre, post, comb, t, h * d,
         x.stride(0), fn.stride(0), float(rms_eps), float(hc_eps), int(sinkhorn_iters), HC=h, BK=BK)
     return pre, post, comb
@@ -126,7 +126,7 @@ def hc_collapse(streams: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     t, h, d = streams.shape
     w = weights.contiguous()
     out = torch.empty(t, d, dtype=streams.dtype, device=streams.device)
-    _hc_collapse_kernel[grid(t * triton.cdiv(d, BD))](
+    _hc_collapse_kernel[grid(t * triton.cdiv(d, BD), vector=True)](
         streams, w, out, t, d, streams.stride(0), streams.stride(1), w.stride(0), out.stride(0), HC=h, BD=BD)
     return out
 
@@ -138,7 +138,7 @@ def hc_expand(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: 
     y = y.contiguous()
     post, comb = post.contiguous(), comb.contiguous()
     out = torch.empty(t, h, d, dtype=streams.dtype, device=streams.device)
-    _hc_expand_kernel[grid(t * triton.cdiv(d, BD))](
+    _hc_expand_kernel[grid(t * triton.cdiv(d, BD), vector=True)](
         streams, y, post, comb, out, t, d, streams.stride(0), streams.stride(1), y.stride(0),
         out.stride(0), out.stride(1), HC=h, BD=BD)
     return out

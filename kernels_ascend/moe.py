@@ -115,13 +115,13 @@ def _run(x, ids, weights, w13, s13, w2, s2, limit: float, mx: bool, inter: int) 
     out = torch.empty(t, d, dtype=x.dtype, device=x.device)
     s13 = w13 if s13 is None else s13                      # unused pointers when not MX
     s2 = w2 if s2 is None else s2
-    _expert_up_kernel[grid(p * triton.cdiv(inter, BI))](
+    _expert_up_kernel[grid(p * triton.cdiv(inter, BI), vector=True)](
         x, ids, w13, s13, h, p, ksel, d, inter, float(limit), x.stride(0), w13.stride(0), w13.stride(1),
         s13.stride(0), s13.stride(1), h.stride(0), MX=mx, BI=BI, BK=BKD)
-    _expert_down_kernel[grid(p * triton.cdiv(d, BO))](
+    _expert_down_kernel[grid(p * triton.cdiv(d, BO), vector=True)](
         h, ids, w2, s2, y, p, d, inter, h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
         y.stride(0), MX=mx, BO=BO, BK=BKD)
-    _combine_kernel[grid(t * triton.cdiv(d, BO))](y, wts, out, t, d, y.stride(0), out.stride(0), KSEL=ksel, BO=BO)
+    _combine_kernel[grid(t * triton.cdiv(d, BO), vector=True)](y, wts, out, t, d, y.stride(0), out.stride(0), KSEL=ksel, BO=BO)
     return out
 
 

@@ -147,3 +147,48 @@ def test_ops_dispatch_off_npu():
 
     from vllm_deepinfer import ops
     assert ops.backend_for(torch.zeros(1)) == "reference"
+
+
+def test_ops_off_switch(monkeypatch):
+    """KERNELS_ASCEND_OPS_OFF hands single ops back to the torch reference; unknown names stop start-up."""
+    pytest.importorskip("triton")
+    import kernels_ascend
+    monkeypatch.setattr(kernels_ascend, "_OPS", None)
+    monkeypatch.setenv(kernels_ascend.OPS_OFF_ENV, "routed_experts, softmax_pool")
+    ops = kernels_ascend.load_ops()
+    assert not hasattr(ops, "routed_experts") and not hasattr(ops, "softmax_pool")
+    assert hasattr(ops, "routed_experts_packed") and hasattr(ops, "sparse_attention_indexed")
+    monkeypatch.setattr(kernels_ascend, "_OPS", None)
+    monkeypatch.setenv(kernels_ascend.OPS_OFF_ENV, "routed_expert")
+    with pytest.raises(ValueError, match="routed_expert"):
+        kernels_ascend.load_ops()
+    monkeypatch.setattr(kernels_ascend, "_OPS", None)
+
+
+_COMM = """
+import os, torch
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.distributed.parallel_state import (destroy_model_parallel, ensure_model_parallel_initialized,
+                                             get_tp_group, init_distributed_environment)
+from kernels_ascend.npu_platform import NPUCommunicator
+with set_current_vllm_config(VllmConfig()):
+    init_distributed_environment(1, 0, "tcp://127.0.0.1:%d" % (29500 + os.getpid() % 1000), 0, "gloo")
+    ensure_model_parallel_initialized(1, 1)
+    g = get_tp_group().cpu_group
+    c = NPUCommunicator(g, torch.device("cpu"), g, unique_name="tp:0")
+    x = torch.arange(6.0).view(2, 3)
+    assert torch.equal(c.all_reduce(x.clone()), x) and torch.equal(c.all_gather(x, dim=-1), x)
+    assert c.all2all_manager is None
+    e = NPUCommunicator(g, torch.device("cpu"), g, unique_name="ep:0", use_all2all=True)
+    print(type(e.all2all_manager).__name__)
+    destroy_model_parallel()
+"""
+
+
+def test_communicator_collectives_over_gloo():
+    """NPUCommunicator's own code over a one-rank gloo group (HCCL needs the NPU): collectives and the EP
+    all2all manager. In a child process: it initialises torch.distributed."""
+    r = subprocess.run([sys.executable, "-c", _COMM], capture_output=True, text=True, timeout=300,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split()[-1] == "AgRsAll2AllManager"
