@@ -1,10 +1,10 @@
 """Block-FP8 linear y = x W^T (model-spec §4.2), weight-only: one Triton kernel.
 
 W is stored as E4M3 codes [N, K] with one E8M0 scale per (BN_s x BK_s) block. A task is one BM x BN
-output tile; it walks K in fixed BK chunks (BK divides the scale block, so a chunk has one scale per
-row; 64, or the scale block when smaller), decodes the codes to fp32 in the vector unit (exact), scales them, rounds them to x.dtype (exact:
-3 mantissa bits) and multiplies on the cube unit with fp32 accumulation. The product equals the
-oracle's (dequantise, cast, matmul) up to the summation order.
+output tile; it walks K in fixed BK chunks (64, or the scale block when smaller: a chunk has one scale
+per row), decodes the codes to fp32 in the vector unit (exact), scales them, rounds them to x.dtype
+(exact: 3 mantissa bits) and multiplies on the cube unit with fp32 accumulation. The product equals
+the oracle's (dequantise, cast, matmul) up to the summation order.
 
 Native formats: the 950's cube unit multiplies FP8 (E4M3) operands directly; a torch_npu quantised
 matmul with per-block scales would read the same bytes without the decode and also quantise x. That

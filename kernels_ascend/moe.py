@@ -121,7 +121,8 @@ def _run(x, ids, weights, w13, s13, w2, s2, limit: float, mx: bool, inter: int) 
     _expert_down_kernel[grid(p * triton.cdiv(d, BO), vector=True)](
         h, ids, w2, s2, y, p, d, inter, h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
         y.stride(0), MX=mx, BO=BO, BK=BKD)
-    _combine_kernel[grid(t * triton.cdiv(d, BO), vector=True)](y, wts, out, t, d, y.stride(0), out.stride(0), KSEL=ksel, BO=BO)
+    _combine_kernel[grid(t * triton.cdiv(d, BO), vector=True)](
+        y, wts, out, t, d, y.stride(0), out.stride(0), KSEL=ksel, BO=BO)
     return out
 
 

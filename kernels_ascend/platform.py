@@ -11,8 +11,11 @@ Everything `detect()` looks at comes from one function, `probe()`; `decide()` is
 | torch_npu not importable, or no NPU visible | None (silent: not an Ascend host) |
 | NPU present, not an Ascend 950 (910B, 910_93, 310P, ...) | None, ERROR naming the chip |
 | torch_npu built for another torch than the running one | None, ERROR naming both versions |
-| Ascend 950 and vllm-ascend's platform plugin would load too | our qualname + ERROR naming both, so vLLM refuses to start ("Only one platform plugin can be activated, but got: ['ascend', 'deepinfer_ascend']") |
+| Ascend 950, and vllm-ascend's platform plugin would load too | our qualname + ERROR naming both (vLLM refuses) |
 | Ascend 950 | `kernels_ascend.npu_platform.Ascend950Platform` |
+
+With vllm-ascend beside ours vLLM raises "Only one platform plugin can be activated, but got: ['ascend',
+'deepinfer_ascend']" after our ERROR has said why and what to do.
 
 vllm-ascend counts only when vLLM would load its plugin: its `vllm.platform_plugins` entry point is
 installed and `VLLM_PLUGINS`, if set, names it. `VLLM_PLUGINS=deepinfer,deepinfer_ascend` therefore runs

@@ -1,17 +1,18 @@
 """kernels_ascend against the torch oracle (vllm_deepinfer.ops.reference).
 
-On an Ascend NPU (torch_npu + triton-ascend) the kernels run there; anywhere else they run in Triton's
-interpreter on the CPU, in a child pytest with TRITON_INTERPRET=1 (`test_in_interpreter_child`; nothing
-else in the session is affected), or directly under `TRITON_INTERPRET=1 pytest tests/test_ascend_kernels.py`. Every check draws fresh random inputs (the seed is printed) and bounds the relative
-error ||out - ref|| / ||ref|| against the oracle evaluated in fp32 on the CPU on the same inputs:
-fp32 inputs 2e-5 (only the summation order differs), bf16 inputs 1.5e-2 (bf16 operands and outputs; in
-the interpreter bf16 dot operands are upcast to fp32, see kernels_ascend.common.F32DOT, and triton 3.9's
-interpreter casts fp32 -> bf16 by truncation, not round-to-nearest, so bf16 errors there run ~2x those of
-hardware and the bf16 bound is doubled there: 3-4e-3 for one rounding, 1-1.6e-2 for the experts' four; the
-expert kernels' bf16 output equals a truncating torch emulation bit for bit). The routed experts compare
-with the oracle in the input dtype (it rounds the GEMM outputs to bf16 as the kernels do). Shapes are
-small so that the whole file runs in well under a minute in the interpreter; odd sizes (heads, rows,
-columns that are not multiples of the tiles) exercise every mask.
+On an Ascend NPU (torch_npu + triton-ascend) the kernels run there; anywhere else in Triton's interpreter
+on the CPU: in a child pytest with TRITON_INTERPRET=1 (`test_in_interpreter_child`; nothing else in the
+session is affected), or directly under `TRITON_INTERPRET=1 pytest tests/test_ascend_kernels.py`.
+
+Every check draws fresh random inputs (the seed is printed) and bounds the relative error
+||out - ref|| / ||ref|| against the oracle on the CPU on the same inputs, in fp32 (the routed experts: in
+the input dtype, whose GEMM-output roundings the kernels reproduce). Bounds: fp32 inputs 2e-5 (only the
+summation order differs); bf16 inputs 1.5e-2 (bf16 operands and outputs), doubled in the interpreter,
+whose fp32 -> bf16 casts truncate instead of rounding to nearest (triton 3.9): there one rounding gives
+3-4e-3 and the experts' four 1-1.6e-2, and the expert kernels' bf16 output equals a truncating torch
+emulation of the same pipeline bit for bit. (In the interpreter bf16 dot operands are also upcast to fp32,
+`kernels_ascend.common.F32DOT`.) Shapes are small, so the file runs in under a minute in the interpreter;
+odd sizes (heads, rows, columns that are not multiples of the tiles) exercise every mask.
 """
 
 from __future__ import annotations

@@ -35,7 +35,8 @@ CASES = {
     "310P": (_probe(name="Ascend310P3"), None, ["Ascend310P3"]),
     "torch_npu for another torch": (_probe(npu="2.14.0"), None, ["torch_npu 2.14.0", "torch 2.13.0"]),
     "950 + vllm-ascend": (_probe(vllm_ascend="ascend -> vllm_ascend:register"), QUAL,
-                          ["vllm-ascend", "ascend -> vllm_ascend:register", QUAL, "VLLM_PLUGINS=deepinfer,deepinfer_ascend"]),
+                          ["vllm-ascend", "ascend -> vllm_ascend:register", QUAL,
+                           "VLLM_PLUGINS=deepinfer,deepinfer_ascend"]),
 }
 
 
