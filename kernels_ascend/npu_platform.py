@@ -13,7 +13,8 @@ sits inside a method, so CPU CI imports the class and checks its configuration l
   their own (`CUSTOM`); a generic attention layer gets a clear error.
 * `NPUCommunicator`: vLLM's torch.distributed communicator over the `hccl` backend (torch_npu registers
   it), with the all-gather/reduce-scatter all2all manager for expert parallelism.
-* `NPUWorker`: vLLM's GPU worker with its own model runner (V1 or V2, unchanged), the device set up as
+* `NPUWorker`: vLLM's GPU worker with its own model runner (V1 by default, see `pre_register_and_update`;
+  V2 with VLLM_USE_V2_MODEL_RUNNER=1), the device set up as
   `npu:N` and `torch.cuda`'s stream/event/graph names pointed at `torch.npu` (`_alias_cuda_to_npu`, the
   same approach as vLLM's own XPU worker), so vLLM's CUDAGraphWrapper captures ACL graphs.
 
@@ -148,6 +149,13 @@ class Ascend950Platform(Platform):
         raise NotImplementedError(
             "The Ascend 950 platform serves vllm-deepinfer's DeepSeek V4/V4.1 models only; their cache layers "
             f"choose their own attention backend (requested: {selected_backend})")
+
+    @classmethod
+    def pre_register_and_update(cls, parser=None) -> None:
+        """Before the engine config exists: vLLM's V1 model runner unless VLLM_USE_V2_MODEL_RUNNER says otherwise
+        (the V2 runner compiles vLLM's own Triton kernels, untested under triton-ascend; V1 is the runner the
+        CPU suite verifies this model with)."""
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
 
     @classmethod
     def check_and_update_config(cls, vllm_config) -> None:

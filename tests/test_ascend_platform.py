@@ -127,8 +127,14 @@ def test_platform_class_on_cpu(monkeypatch):
     with pytest.raises(NotImplementedError, match="choose their own attention backend"):
         plat.get_attn_backend_cls("FLASH_ATTN", None)
 
-    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "")   # recorded, so the teardown restores the original
-    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD")
+    for env in ("VLLM_USE_V2_MODEL_RUNNER", "VLLM_WORKER_MULTIPROC_METHOD"):
+        monkeypatch.setenv(env, "")   # recorded, so the teardown restores the original
+        monkeypatch.delenv(env)
+    plat.pre_register_and_update()
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    plat.pre_register_and_update()
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"   # the user's choice stands
     cfg = types.SimpleNamespace(
         parallel_config=ParallelConfig(),
         compilation_config=CompilationConfig(mode=CompilationMode.VLLM_COMPILE,
