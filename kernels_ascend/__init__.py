@@ -52,13 +52,18 @@ def npu_present() -> bool:
         return False
 
 
+def triton_targets_npu() -> bool:
+    """Whether the installed Triton has an Ascend backend (triton-ascend), not only CUDA/ROCm ones."""
+    from triton.backends import backends
+    return any(name in backends for name in ("ascend", "npu", "cann"))
+
+
 def available() -> bool:
-    """True when the kernels can run: an NPU with Triton (triton-ascend), or TRITON_INTERPRET=1 on CPU."""
+    """True when the kernels can run: an NPU with triton-ascend, or TRITON_INTERPRET=1 on CPU."""
     global _AVAILABLE
     if _AVAILABLE is None:
         try:
-            import triton  # noqa: F401
-            _AVAILABLE = npu_present() or interpreting()
+            _AVAILABLE = interpreting() or (npu_present() and triton_targets_npu())
         except Exception:  # noqa: BLE001 - any import failure means "not available"
             _AVAILABLE = False
     return _AVAILABLE

@@ -38,7 +38,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 def _direct_device() -> str | None:
     """Where the kernels run in this process: 'npu', 'cpu' (Triton imported under TRITON_INTERPRET=1, so
     its library functions are interpreted too), or None (then `test_in_interpreter_child` runs them)."""
-    if kernels_ascend.npu_present():
+    if kernels_ascend.npu_present() and kernels_ascend.triton_targets_npu():
         return "npu"
     from triton.language import standard
     from triton.runtime.interpreter import InterpretedFunction

@@ -124,9 +124,9 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", help="write the rows here too")
     a = ap.parse_args()
-    dev = "npu" if kernels_ascend.npu_present() else "cpu"
+    dev = "npu" if kernels_ascend.npu_present() and kernels_ascend.triton_targets_npu() else "cpu"
     if dev == "cpu" and not kernels_ascend.interpreting():
-        sys.exit("no NPU: run with TRITON_INTERPRET=1 (and --quick) to check the script on the CPU")
+        sys.exit("no NPU with triton-ascend: run with TRITON_INTERPRET=1 (and --quick) to check the script on the CPU")
     ops = importlib.import_module("kernels_ascend.ops")   # every kernel, whatever KERNELS_ASCEND_OPS_OFF says
     seed = int.from_bytes(os.urandom(4), "little")
     torch.manual_seed(seed)

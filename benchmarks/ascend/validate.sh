@@ -40,6 +40,8 @@ from kernels_ascend import platform as p
 pr = p.probe()
 print("probe:", pr)
 print("decision:", p.decide(pr))
+import kernels_ascend as k
+print("triton has an Ascend backend:", k.triton_targets_npu(), "| kernels available:", k.available())
 EOF
 command -v npu-smi >/dev/null && npu-smi info 2>&1 | head -12 >> "$OUT/env.txt"
 
