@@ -177,9 +177,7 @@ def worker(a) -> None:
            "prefill": {}, "decode": {}}
     out = Path(a.result)
     max_seqs = max(decode_bs + [max(1, n // min(n, a.prompt_len)) for n in prefill_ns])
-    # one scheduler step holds every prefill and every decode batch's prompts, so T(D) - T(1) spans only
-    # uniform decode steps (a mixed prefill+decode step would be counted as decode otherwise)
-    budget = a.token_budget
+    budget = a.token_budget  # every prefill call and every decode batch's prompts fit one scheduler step
     kwargs = dict(model=a.model, load_format="dummy", dtype=a.dtype, enforce_eager=a.enforce_eager,
                   max_model_len=a.max_model_len, max_num_batched_tokens=budget, max_num_seqs=max_seqs, seed=0,
                   enable_prefix_caching=False, gpu_memory_utilization=a.gpu_mem, trust_remote_code=False,
@@ -249,8 +247,8 @@ def worker(a) -> None:
         _dump(out, res)
     engine = llm.llm_engine
     for b in decode_bs:
-        for _ in range(a.warmup):
-            decode_steps(engine, prompts(b, a.decode_prompt_len), a.decode_tokens, f"w{b}")
+        for i in range(a.warmup):
+            decode_steps(engine, prompts(b, a.decode_prompt_len), a.decode_tokens, f"w{b}.{i}")
         r = decode_steps(engine, prompts(b, a.decode_prompt_len), a.decode_tokens, f"d{b}")
         res["decode"][str(b)] = r
         print(f"[{a.impl}] decode batch {b}: {r['steady_steps']} steady steps of {r['steps']}, median "
