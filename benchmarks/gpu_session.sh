@@ -174,7 +174,7 @@ ours_bench() {  # BUDGET_S
   echo "ours bench done t=$((SECONDS - t0)) s"
 }
 
-compact_bench() {  # BUDGET_S: both sides of the protocol in one call (in-tree first: its start is the longer)
+compact_bench() {  # BUDGET_S: both sides of the protocol in one call (ours, then in-tree; half the budget each)
   local budget=$1 t0=$SECONDS
   vllm_env
   local left=$((budget - 20))
