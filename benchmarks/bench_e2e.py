@@ -1,31 +1,38 @@
 """End-to-end throughput in vLLM: the DeepInfer plugin ("ours") vs vLLM's in-tree DeepSeek-V4.1 / V4 ("intree").
 
-GPU command (one H200, vLLM 0.32 + plugin staged as in NOTES.md "Hopper GPU path ... plugin vs in-tree fidelity";
-about 10 min wall with two cold engine starts; lower --timeout if the device call has less left):
+The deciding protocol (the defaults; one H200, vLLM 0.32 + plugin staged as in NOTES.md; about 8 min with two
+engine starts and --no-jit-warmup):
 
-    python3 benchmarks/bench_e2e.py --out $OUT/bench_e2e --timeout 270 --profile
+    python3 benchmarks/bench_e2e.py --out $OUT/bench_e2e --no-jit-warmup
 
-  = full-width V4.1-Flash config (4 layers, release widths, 8192-token synthetic vocabulary) with dummy weights,
-    bf16, CUDA-graph capture sizes 1,16,64,256, fixed 24 GiB KV cache, prefix caching off; each implementation in
-    its own subprocess, one after the other (never two engines at once while timing); in-tree with
-    DEEPINFER_DISABLE=1. Eager instead: add --enforce-eager. One side only: --only ours|intree.
+  = V4.1-Flash at release widths (hidden 5120, 64 heads x 512, LoRA ranks, expert width 2304, index heads), 8
+    layers keeping the release layer plan's encoder/decoder split (printed: layers before / after the ratio-1 KV
+    source), 384 routed experts top-6 (drafter 128 top-3 in the config), the 8192-token synthetic vocabulary,
+    dummy weights, bf16, CUDA-graph capture sizes 1,16,64,256, the same KV budget in bytes for both sides
+    (kv_cache_memory_bytes = --kv-gib, default 24 GiB), prefix caching off; both sides hold the same weight
+    formats: ours with DEEPINFER_FP8_LINEARS=packed DEEPINFER_EXPERT_STORAGE=packed (--storage), in-tree with the
+    config's quantization_config (FP8 block linears, MXFP4 experts). Each implementation in its own subprocess,
+    one after the other; in-tree with DEEPINFER_DISABLE=1. Eager: --enforce-eager. One side: --only ours|intree.
+    V4-Flash: --arch v4-flash (256 experts top-6). Other configs: --layers, --set key=JSON (make_checkpoint).
 
-CPU smoke test (no GPU; the plugin only, tiny preset, small sizes; ~1-2 min):
+CPU smoke test (no GPU; tiny widths, same protocol structure, small sizes; ~2-3 min):
 
-    python benchmarks/bench_e2e.py --device-smoke --only ours --profile --out /tmp/bench_e2e_smoke
+    python benchmarks/bench_e2e.py --device-smoke --only ours --out /tmp/bench_e2e_smoke
 
-What is measured (warm-up runs excluded; median of --reps timed runs, each with fresh random prompt ids):
-  prefill   for each N in --prefill-tokens: N // P prompts of P = min(N, --prompt-len) random token ids, submitted
-            as one `llm.generate` with max_tokens=1 (engine token budget max_num_batched_tokens = max of N and
-            B * --decode-prompt-len, so one scheduler step). Reported: uncached input tok/s = N / wall time of the call.
-  decode    for each B in --decode-batches: B prompts of --decode-prompt-len ids; time T(max_tokens=D) and
-            T(max_tokens=1) with the same batch shape; output tok/s = B * (D - 1) / (T(D) - T(1)), i.e. the
-            prefill (and first token) is subtracted. Also reported: the plain B * D / T(D).
-  profile   (--profile; the plugin only) torch.profiler around one prefill call (the middle N), and the decode
-            steps alone at batch --profile-batch: per op, (T(D) call - T(1) call) / (D - 1); the top ops by device
-            time (kernels only; CPU ops' self time on CPU) are printed and saved. The
-            engine then runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the profiler sees the model; with
-            --profile both implementations run in-process so their timings stay comparable.
+What is measured (warm-up runs excluded):
+  prefill   for each N in --prefill-tokens (1k/4k/16k): N // P prompts of P = min(N, --prompt-len) random ids as
+            one `llm.generate` with max_tokens=1 (token budget max_num_batched_tokens >= N, so one scheduler
+            step). Reported: input tok/s = N / median wall time of --reps calls.
+  decode    for each B in --decode-batches (1/16/64/256): B prompts of --decode-prompt-len ids added to the
+            engine at once (`LLMEngine.add_request`), then `step()` until all finish, timing every step. Steady
+            steps are those where every request had its first token before the step (all prefills done), every
+            request got a token in it and none finished: output tok/s = B / median steady step time (also p10/p90
+            and the number of steady steps). No difference of two totals: prefill never enters the number.
+  profile   (--profile; the plugin only) torch.profiler top ops of one prefill call and of the decode steps at
+            --profile-batch ((T(D) call - T(1) call) per op / (D - 1)); runs the engines in-process.
+  engine    vLLM's own log lines of each side (model loading GiB, KV cache size / concurrency, KV group sizes),
+            and for ours the memory planner's numbers for the same model dir and KV budget
+            (`vllm_deepinfer.tools.plan`), so planner and engine can be compared on the device.
 
 Output: a table (ours, intree, ratio ours/intree) on stdout, `results.json` + one `<impl>.json` and `<impl>.log`
 per implementation under --out (default $OUT/bench_e2e, else ./bench_e2e_out). The model directory (config.json,
@@ -85,10 +92,66 @@ def write_model_dir(arch: str, preset: str, out: Path, layers: int | None = None
     return out
 
 
-def _parse_set(items):
+#: Expert counts of the deciding protocol (release values), applied before --set.
+PROTOCOL_EXPERTS = {
+    "v4.1-flash": {"n_routed_experts": 384, "num_experts_per_tok": 6, "dspark_n_routed_experts": 128,
+                   "dspark_num_experts_per_tok": 3},
+    "v4-flash": {"n_routed_experts": 256, "num_experts_per_tok": 6},
+}
+
+
+def _parse_set(arch: str, items) -> dict:
     from vllm_deepinfer.tools.make_checkpoint import _parse_set as parse
 
-    return parse(items) if items else None
+    return {**PROTOCOL_EXPERTS[arch], **(parse(items) if items else {})}
+
+
+def layer_split(model: Path) -> list[str]:
+    """The layer plan of the model dir, one line per layer, and where the encoder/decoder cut lies (V4.1: the
+    ratio-1 KV source, from which every later layer reads its compressed KV)."""
+    from vllm_deepinfer.config import V41, ArchConfig
+
+    arch = ArchConfig.from_hf(json.loads((model / "config.json").read_text()))
+    cut = next((l for l in arch.kv_source_layer_ids if arch.compress_ratios[l] == 1), None)
+    lines = [f"layer plan ({arch.family}, {arch.num_layers} layers, {arch.n_routed_experts} experts "
+             f"top-{arch.num_experts_per_tok}):"]
+    for l in range(arch.num_layers):
+        p = arch.layer_plan(l)
+        side = "" if arch.family != V41 or cut is None else ("decoder" if l >= cut else "encoder")
+        roles = [f"m={p.ratio}"] + (["KV source"] if p.owns_compressor else [f"KV of {p.kv_source}"] if p.compressed
+                                    else []) + (["index source"] if p.owns_indexer else []) \
+            + (["candidates"] if p.candidate_source else []) + ([f"Engram {p.engram_table}"]
+                                                                if p.engram_table is not None else [])
+        lines.append(f"  {l:2d} {side:8s}" + ", ".join(roles))
+    if cut is not None:
+        lines.append(f"  cut: layers 0-{cut - 1} encoder, {cut}-{arch.num_layers - 1} decoder (read layer {cut}'s "
+                     "ratio-1 KV)")
+    return lines
+
+
+#: vLLM log lines that state what the engine holds (weights, KV cache).
+ENGINE_LINES = ("Model loading took", "KV cache size", "Available KV cache memory", "kv cache group sizes",
+                "Maximum concurrency", "KV cache memory")
+
+
+def planner_lines(model: Path, a) -> list[str]:
+    """The memory planner's numbers for ours on this model dir (storage from --storage)."""
+    from vllm_deepinfer.tools import plan
+
+    packed = "packed" if a.storage == "packed" else "bf16"
+    args = ["--model-config", str(model), "--fp8-linears", packed, "--experts", packed, "--engram", "gpu",
+            "--dtype", a.dtype, "--max-model-len", str(a.max_model_len), "--batch", "1",
+            "--max-num-batched-tokens", str(a.token_budget)]
+    kv = a.kv_gib or float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or 0)  # CPU: vLLM's KV space in GiB
+    args += ["--kv-gib", str(kv)] if kv else []
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        plan.main(args)
+    return ["planner (python -m vllm_deepinfer.tools.plan " + " ".join(args) + "):"] + [
+        "  " + x for x in buf.getvalue().splitlines() if x.strip()]
 
 
 # ============================================================================ worker (one engine, one process)
@@ -114,9 +177,7 @@ def worker(a) -> None:
            "prefill": {}, "decode": {}}
     out = Path(a.result)
     max_seqs = max(decode_bs + [max(1, n // min(n, a.prompt_len)) for n in prefill_ns])
-    # one scheduler step holds every prefill and every decode batch's prompts, so T(D) - T(1) spans only
-    # uniform decode steps (a mixed prefill+decode step would be counted as decode otherwise)
-    budget = max(prefill_ns + [b * a.decode_prompt_len for b in decode_bs])
+    budget = a.token_budget  # every prefill call and every decode batch's prompts fit one scheduler step
     kwargs = dict(model=a.model, load_format="dummy", dtype=a.dtype, enforce_eager=a.enforce_eager,
                   max_model_len=a.max_model_len, max_num_batched_tokens=budget, max_num_seqs=max_seqs, seed=0,
                   enable_prefix_caching=False, gpu_memory_utilization=a.gpu_mem, trust_remote_code=False,
@@ -184,17 +245,15 @@ def worker(a) -> None:
         print(f"[{a.impl}] prefill {k}x{p} tokens: median {med * 1e3:.1f} ms -> {k * p / med:,.0f} input tok/s",
               flush=True)
         _dump(out, res)
-    D = a.decode_tokens
+    engine = llm.llm_engine
     for b in decode_bs:
-        t1 = measure(b, a.decode_prompt_len, 1)
-        tD = measure(b, a.decode_prompt_len, D)
-        m1, mD = statistics.median(t1), statistics.median(tD)
-        dec = b * (D - 1) / (mD - m1) if mD > m1 else float("nan")
-        res["decode"][str(b)] = {"batch": b, "prompt_len": a.decode_prompt_len, "max_tokens": D,
-                                 "times_1_s": t1, "times_D_s": tD, "tok_s": dec, "tok_s_incl_prefill": b * D / mD,
-                                 "step_ms": (mD - m1) / (D - 1) * 1e3}
-        print(f"[{a.impl}] decode batch {b}: T(1) {m1 * 1e3:.1f} ms, T({D}) {mD * 1e3:.1f} ms -> "
-              f"{dec:,.1f} output tok/s ({(mD - m1) / (D - 1) * 1e3:.2f} ms/step)", flush=True)
+        for i in range(a.warmup):
+            decode_steps(engine, prompts(b, a.decode_prompt_len), a.decode_tokens, f"w{b}.{i}")
+        r = decode_steps(engine, prompts(b, a.decode_prompt_len), a.decode_tokens, f"d{b}")
+        res["decode"][str(b)] = r
+        print(f"[{a.impl}] decode batch {b}: {r['steady_steps']} steady steps of {r['steps']}, median "
+              f"{r['step_ms']:.2f} ms/step (p10 {r['p10_ms']:.2f}, p90 {r['p90_ms']:.2f}) -> "
+              f"{r['tok_s']:,.1f} output tok/s", flush=True)
         _dump(out, res)
 
     if a.profile and a.impl == "ours":
@@ -206,6 +265,44 @@ def worker(a) -> None:
         llm.llm_engine.engine_core.shutdown()
     except Exception:  # noqa: BLE001
         pass
+
+
+def decode_steps(engine, prompts: list, max_tokens: int, tag: str) -> dict:
+    """Add all `prompts` at once, step the engine until they finish, time every step; steady decode steps are
+    those after every request's first token (all prefills done) in which every request got a token and none
+    finished. Output tok/s = batch / median steady step time."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    b = len(prompts)
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                        output_kind=RequestOutputKind.DELTA)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", p, sp)
+    got = dict.fromkeys((f"{tag}-{i}" for i in range(b)), 0)
+    steady, steps = [], 0
+    t = time.perf_counter()
+    while engine.has_unfinished_requests():
+        all_started = min(got.values()) >= 1
+        outs = engine.step()
+        now = time.perf_counter()
+        new = {o.request_id: len(o.outputs[0].token_ids) for o in outs if o.outputs}
+        finished = any(o.finished for o in outs)
+        for rid, n in new.items():
+            got[rid] += n
+        if all_started and not finished and len(new) == b and all(n == 1 for n in new.values()):
+            steady.append(now - t)
+        steps += 1 if outs else 0
+        t = now
+    assert all(n == max_tokens for n in got.values()), got
+    if not steady:
+        return {"batch": b, "max_tokens": max_tokens, "steps": steps, "steady_steps": 0, "tok_s": float("nan"),
+                "step_ms": float("nan"), "p10_ms": float("nan"), "p90_ms": float("nan")}
+    q = statistics.quantiles(steady, n=10) if len(steady) > 1 else [steady[0]] * 9
+    med = statistics.median(steady)
+    return {"batch": b, "max_tokens": max_tokens, "steps": steps, "steady_steps": len(steady),
+            "step_ms": med * 1e3, "p10_ms": q[0] * 1e3, "p90_ms": q[-1] * 1e3, "tok_s": b / med,
+            "steady_times_s": steady}
 
 
 def profile(a, timed, prefill_ns, decode_bs) -> dict:
@@ -284,12 +381,15 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--arch", default="v4.1-flash", help="v4.1-flash | v4-flash")
     p.add_argument("--preset", default="full-width", help="make_checkpoint preset (full-width | tiny)")
-    p.add_argument("--layers", type=int, default=None, help="backbone layers (default: the preset's)")
+    p.add_argument("--layers", type=int, default=8, help="backbone layers (make_checkpoint layer plan; 0: the "
+                   "preset's)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=JSON",
                    help="config override as in make_checkpoint --set (repeatable)")
     p.add_argument("--model", default=None, help="existing model dir (config + tokenizer); default: written")
     p.add_argument("--only", choices=["ours", "intree"], default=None)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--storage", choices=["packed", "bf16", "auto"], default="packed",
+                   help="ours: DEEPINFER_FP8_LINEARS / DEEPINFER_EXPERT_STORAGE (packed = the formats in-tree holds)")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--cudagraph-sizes", default="1,16,64,256")
     p.add_argument("--cudagraph-mode", default=None, help="e.g. FULL_DECODE_ONLY, PIECEWISE (default: vLLM's)")
@@ -323,12 +423,17 @@ def main(argv=None) -> int:
 
     if a.device_smoke:
         a.preset, a.dtype, a.enforce_eager = "tiny", "float32", True
-        a.prefill_tokens, a.prompt_len, a.decode_batches = "64,256", 64, "1,4"
+        a.prefill_tokens, a.prompt_len, a.decode_batches = "64,256", 64, "1,4,16"
         a.decode_prompt_len, a.decode_tokens, a.max_model_len = 32, 8, 512
-        a.kv_gib, a.gpu_mem, a.profile_top = 0.0, 0.2, 12
+        a.kv_gib, a.gpu_mem, a.profile_top, a.warmup, a.reps = 0.0, 0.2, 12, 0, 1
         a.inproc = True  # engine start ~5 s instead of ~80 s on CPU
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     if a.profile:
         a.inproc = True
+    a.layers = a.layers or None
+    # one scheduler step holds every prefill and every decode batch's prompts: the decode batches start with
+    # all their prefills in one step, so the steady decode steps begin right after it
+    a.token_budget = max(_ints(a.prefill_tokens) + [b * a.decode_prompt_len for b in _ints(a.decode_batches)])
     if a.worker:
         worker(a)
         return 0
@@ -340,8 +445,9 @@ def main(argv=None) -> int:
     out = Path(a.out or (Path(os.environ["OUT"]) / "bench_e2e" if os.environ.get("OUT") else "bench_e2e_out"))
     out.mkdir(parents=True, exist_ok=True)
     model = Path(a.model) if a.model else write_model_dir(a.arch, a.preset, out / f"model-{a.arch}-{a.preset}",
-                                                          a.layers, _parse_set(a.overrides))
+                                                          a.layers, _parse_set(a.arch, a.overrides))
     print(f"model dir {model} (config + tokenizer, dummy weights)", flush=True)
+    print("\n".join(layer_split(model)), flush=True)
     impls = [a.only] if a.only else ["ours", "intree"]
     fwd = list(argv if argv is not None else sys.argv[1:])
     skip = {"--only", "--out", "--model", "--timeout", "--set"}
@@ -361,6 +467,8 @@ def main(argv=None) -> int:
             env["DEEPINFER_DISABLE"] = "1"
         else:
             env.pop("DEEPINFER_DISABLE", None)
+            if a.storage != "auto":
+                env["DEEPINFER_FP8_LINEARS"] = env["DEEPINFER_EXPERT_STORAGE"] = a.storage
         cmd = [sys.executable, str(HERE), "--worker", "--impl", impl, "--model", str(model), "--result", str(rpath),
                *passthru]
         print(f"== {time.strftime('%T')} {impl}: {' '.join(cmd)}  (log {log}, limit {a.timeout} s)", flush=True)
@@ -379,6 +487,18 @@ def main(argv=None) -> int:
         for ln in text:
             if ln.startswith(f"[{impl}]"):
                 print("  " + ln)
+        engine_lines = [ln.split("] ", 1)[-1] for ln in text if any(k in ln for k in ENGINE_LINES)]
+        print("  vLLM says: " + "\n  vLLM says: ".join(engine_lines))
+        if impl in results:
+            results[impl]["engine_log"] = engine_lines
+        if impl == "ours":
+            try:
+                lines = planner_lines(model, a)
+            except Exception as e:  # noqa: BLE001 - informational
+                lines = [f"planner failed: {e!r}"]
+            print("\n".join("  " + x for x in lines))
+            if impl in results:
+                results[impl]["planner"] = lines
         if rc != 0:
             print("  --- log tail ---\n  " + "\n  ".join(text[-25:]))
         elif a.profile and impl == "ours":

@@ -14,7 +14,20 @@
 #       make_checkpoint --preset full-width: in-tree (eager) || the plugin with CUDA graphs, exact and parity
 #   bash benchmarks/gpu_session.sh jit-save [FIRST] # last call on a warm host: JIT caches -> $OUT/jit (copy that
 #       folder to .gpuwork/jit here; the next host's first vllm_env restores it)
-#   (then on CPU: python benchmarks/bench_e2e.py --report DIR   -> ours/in-tree table with ratios)
+#   The benchmark protocol (issue 9; bench_e2e.py defaults: V4.1 release widths, 8 layers, 384 experts top-6,
+#   packed storage on our side, 24 GiB KV both sides). Estimated device time on a staged host with JIT caches
+#   restored (cold in-tree JIT adds minutes: see shared/gpu/README.md):
+#   bash benchmarks/gpu_session.sh compact BUDGET_S      # ~8 min: in-tree then ours, prefill 1k/4k/16k + decode
+#       1/16/64/256 (steady-state step times), 1 timed rep, graphs 1/16/64/256, no JIT warm-up -> $OUT/e2e.tgz
+#   bash benchmarks/gpu_session.sh intree-bench|ours-bench BUDGET_S   # ~4-5 min each: the same, 3 reps, one side
+#   bash benchmarks/gpu_session.sh serve-intree|serve-ours BUDGET_S   # ~6 min each: vllm serve + vllm bench serve,
+#       random 1024 in / 128 out, 200 prompts at concurrency 1, 8, 32, 128 -> $OUT/serve-<side>.tgz
+#   bash benchmarks/gpu_session.sh cold-ours|cold-intree BUDGET_S     # ours ~4 min, in-tree 5-10 min (each
+#       launch capped at half the budget): serve -> first token, JIT caches cold then warm -> $OUT/cold-<side>.tgz
+#   bash benchmarks/gpu_session.sh sweep-ours|sweep-intree BUDGET_S   # ~5-6 min each: vllm bench sweep + Pareto
+#       plots (configs/serve-gpu1.json x configs/bench-gpu-pareto.json) -> $OUT/sweep-<side>.tgz
+#   (then on CPU: python benchmarks/bench_e2e.py --report DIR; bench_serve.py --report DIR1 DIR2;
+#    cold_start.py --report DIR1 DIR2 -> ours/in-tree tables with ratios)
 #
 # Logs and JSON go to $OUT (the device tool brings them back); the last lines printed are a summary.
 set -u -o pipefail
@@ -161,6 +174,51 @@ ours_bench() {  # BUDGET_S
   echo "ours bench done t=$((SECONDS - t0)) s"
 }
 
+compact_bench() {  # BUDGET_S: both sides of the protocol in one call (ours, then in-tree; half the budget each)
+  local budget=$1 t0=$SECONDS
+  vllm_env
+  local left=$((budget - 20))
+  $BENCH --reps 1 --warmup 1 --decode-tokens 48 --gpu-mem 0.9 --timeout $((left / 2)) > "$OUT/bench_compact.out" 2>&1
+  tar czf "$OUT/e2e.tgz" --exclude 'model-*' -C /tmp bench_e2e 2>/dev/null
+  tail -45 "$OUT/bench_compact.out"
+  echo "compact bench done t=$((SECONDS - t0)) s"
+}
+
+serve_bench() {  # SIDE BUDGET_S
+  local side=$1 budget=$2 t0=$SECONDS
+  vllm_env
+  timeout -k 10 $((budget - 15)) python3 benchmarks/bench_serve.py --only "$side" --out /tmp/serve \
+    --start-timeout 360 > "$OUT/serve_$side.out" 2>&1
+  tar czf "$OUT/serve-$side.tgz" --exclude 'model-*' -C /tmp serve 2>/dev/null
+  tail -20 "$OUT/serve_$side.out"
+  echo "serve $side done t=$((SECONDS - t0)) s"
+}
+
+cold_bench() {  # SIDE BUDGET_S (run it first on a fresh host: the cold number then includes a cold page cache)
+  local side=$1 budget=$2 t0=$SECONDS
+  vllm_env
+  timeout -k 10 $((budget - 15)) python3 benchmarks/cold_start.py --only "$side" --out /tmp/cold \
+    --limit $(((budget - 40) / 2)) > "$OUT/cold_$side.out" 2>&1
+  tar czf "$OUT/cold-$side.tgz" --exclude 'cache-*' --exclude 'model-*' -C /tmp cold 2>/dev/null
+  tail -12 "$OUT/cold_$side.out"
+  echo "cold $side done t=$((SECONDS - t0)) s"
+}
+
+sweep_bench() {  # SIDE BUDGET_S
+  local side=$1 budget=$2 t0=$SECONDS
+  vllm_env
+  python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from bench_serve import protocol_model; from pathlib import Path; print(protocol_model(Path('/tmp/sweep'), False))" > /tmp/sweep_model.txt
+  local disable=0; [ "$side" = intree ] && disable=1
+  DEEPINFER_DISABLE=$disable DEEPINFER_FP8_LINEARS=packed DEEPINFER_EXPERT_STORAGE=packed PYTHON=python3 DEVICE=gpu \
+    SERVE_PARAMS=configs/serve-gpu1.json BENCH_PARAMS=configs/bench-gpu-pareto.json NUM_RUNS=1 \
+    OUT_DIR=/tmp/sweep EXPERIMENT=$side EXTRA_SERVE_ARGS="--load-format dummy --no-enable-prefix-caching \
+    --kv-cache-memory-bytes 25769803776 --max-model-len 8192 --kernel-config '{\"enable_jit_warmup\":false}'" \
+    timeout -k 10 $((budget - 15)) bash benchmarks/run_sweep.sh "$(cat /tmp/sweep_model.txt)" > "$OUT/sweep_$side.out" 2>&1
+  tar czf "$OUT/sweep-$side.tgz" -C /tmp/sweep "$side" 2>/dev/null
+  tail -12 "$OUT/sweep_$side.out"
+  echo "sweep $side done t=$((SECONDS - t0)) s"
+}
+
 case "$mode" in
   kernels) kernels ;;
   stage) bash "$REPO/shared/gpu/receive.sh" "$2" ;;
@@ -170,5 +228,9 @@ case "$mode" in
   memo) memo_session "${2:-560}" ;;
   fw) fw_session "${2:-560}" ;;
   jit-save) bash shared/gpu/jit-cache.sh save "$OUT/jit" "${2:-0}" ;;
-  *) echo "usage: $0 kernels|stage DIR|vllm BUDGET_S|ours-bench BUDGET_S|memo BUDGET_S|fw BUDGET_S|intree-bench BUDGET_S|jit-save [FIRST]" >&2; exit 2 ;;
+  compact) compact_bench "${2:-560}" ;;
+  serve-ours|serve-intree) serve_bench "${mode#serve-}" "${2:-560}" ;;
+  cold-ours|cold-intree) cold_bench "${mode#cold-}" "${2:-560}" ;;
+  sweep-ours|sweep-intree) sweep_bench "${mode#sweep-}" "${2:-560}" ;;
+  *) echo "usage: $0 kernels|stage DIR|vllm|ours-bench|intree-bench|memo|fw|compact|serve-SIDE|cold-SIDE|sweep-SIDE BUDGET_S|jit-save [FIRST]" >&2; exit 2 ;;
 esac

@@ -7,6 +7,11 @@
 # Usage: benchmarks/run_sweep.sh [MODEL]      (default: $DEEPINFER_HF_MODEL_DIR, else a tiny V4.1 checkpoint)
 # Env:   DEVICE=cpu|gpu (auto: gpu when nvidia-smi works), SERVE_PARAMS, BENCH_PARAMS, OUT_DIR, EXPERIMENT,
 #        NUM_RUNS (default 1 on cpu, 2 on gpu), PORT (8000), EXTRA_SERVE_ARGS.
+#        DEEPINFER_DISABLE=1 sweeps vLLM's in-tree model instead (vLLM's own deepseek_v41 parsers, no images).
+# Protocol Pareto plots on one GPU, both sides (the bench_e2e protocol model dir, dummy weights):
+#   SERVE_PARAMS=configs/serve-gpu1.json BENCH_PARAMS=configs/bench-gpu-pareto.json NUM_RUNS=1 \
+#   EXTRA_SERVE_ARGS="--load-format dummy --no-enable-prefix-caching --kv-cache-memory-bytes 25769803776" \
+#   [DEEPINFER_DISABLE=1] benchmarks/run_sweep.sh MODEL_DIR
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-python}"
@@ -44,7 +49,12 @@ if ! vllm --version >/dev/null 2>&1; then
   chmod +x "$SHIM/vllm"; export PATH="$SHIM:$PATH"
 fi
 
-SERVE_CMD="vllm serve $MODEL --port $PORT $DEVICE_ARGS --enable-auto-tool-choice --tool-call-parser deepinfer_v41 --reasoning-parser deepinfer_v41 ${EXTRA_SERVE_ARGS:-}"
+if [[ "${DEEPINFER_DISABLE:-0}" == 1 ]]; then
+  PARSERS="--limit-mm-per-prompt '{\"image\":0}'"   # in-tree: the plugin's parsers are not registered
+else
+  PARSERS="--enable-auto-tool-choice --tool-call-parser deepinfer_v41 --reasoning-parser deepinfer_v41"
+fi
+SERVE_CMD="vllm serve $MODEL --port $PORT $DEVICE_ARGS $PARSERS ${EXTRA_SERVE_ARGS:-}"
 BENCH_CMD="vllm bench serve --backend vllm --endpoint /v1/completions --model $MODEL --port $PORT --dataset-name random --random-input-len 128 --random-output-len 32 --ignore-eos --temperature 0"
 
 echo "device=$DEVICE model=$MODEL experiment=$OUT_DIR/$EXPERIMENT"
