@@ -10,6 +10,8 @@ a different summation order: greedy tokens must be identical, logprobs equal to 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.conftest import engine, tiny_checkpoint
@@ -30,26 +32,31 @@ def _generate(ckpt, **overrides) -> list[tuple[list[int], list[dict[int, float]]
             for o in outs]
 
 
-@pytest.mark.parametrize("arch", ["v4-flash", "v4.1-flash"])
-def test_tp2_matches_one_process(ckpt_root, monkeypatch, arch):
+_SINGLE: dict[str, list] = {}
+
+
+@pytest.mark.parametrize("arch,storage", [("v4-flash", "bf16"), ("v4.1-flash", "bf16"), ("v4.1-flash", "packed")])
+def test_tp2_matches_one_process(ckpt_root, monkeypatch, arch, storage):
+    """`packed`: each rank loads its shard of the FP8 codes and E8M0 scale blocks (the one-process run keeps
+    bf16: packed equals bf16 bitwise there, tests/test_fp8_linears.py)."""
     ckpt = tiny_checkpoint(ckpt_root, arch, 0)
-    single = _generate(ckpt)
+    if arch not in _SINGLE:
+        _SINGLE[arch] = _generate(ckpt)
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    monkeypatch.setenv("DEEPINFER_FP8_LINEARS", storage)
     tp2 = _generate(ckpt, tensor_parallel_size=2)
-    for (tokens1, lps1), (tokens2, lps2) in zip(single, tp2):
+    for (tokens1, lps1), (tokens2, lps2) in zip(_SINGLE[arch], tp2):
         assert tokens2 == tokens1
         diff = max(abs(a[t] - b[t]) for a, b in zip(lps1, lps2) for t in a.keys() & b.keys())
         assert diff <= LOGPROB_TOL, diff
 
 
-def test_tp_that_cannot_split_the_heads_is_refused(ckpt_root, monkeypatch):
+def test_tp_that_cannot_split_the_heads_is_refused(ckpt_root):
     """tiny V4.1 has 4 query heads and 2 wo_a groups: TP=4 is refused before any weight is loaded."""
     from vllm_deepinfer.config import ArchConfig, ConfigError
 
     ckpt = tiny_checkpoint(ckpt_root, "v4.1-flash", 0)
-    import json
-    cfg = json.loads((ckpt / "config.json").read_text())
-    arch = ArchConfig.from_hf(cfg)
+    arch = ArchConfig.from_hf(json.loads((ckpt / "config.json").read_text()))
     arch.check_tensor_parallel(2)
     with pytest.raises(ConfigError, match="tensor_parallel_size 4 must divide .* o_groups \\(2\\)"):
         arch.check_tensor_parallel(4)

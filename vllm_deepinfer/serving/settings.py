@@ -131,7 +131,8 @@ def check(environ: dict[str, str] | None = None, platform_device: str | None = N
             from vllm_deepinfer.ops import parse_engram_device
 
             try:
-                notes.append(f"{name}: {parse_engram_device(value, _platform_device() or 'cpu')}")
+                device = platform_device if platform_device is not None else _platform_device()
+                notes.append(f"{name}: {parse_engram_device(value, device or 'cpu')}")
             except ValueError as e:
                 errors.append(str(e))
         elif name == "DEEPINFER_ACCELERATOR":
