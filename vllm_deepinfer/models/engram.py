@@ -265,10 +265,9 @@ def log_engram_placement(layers: list[Engram]) -> None:
     """One line the planner can check: bytes of the Engram tables in host vs device memory (this rank)."""
     host = sum(e.embed.nbytes for e in layers if e.embed.host)
     dev = sum(e.embed.nbytes for e in layers if not e.embed.host)
-    logger.info("vllm-deepinfer Engram tables: %d bytes (%.3f GiB) in host memory%s, %d bytes (%.3f GiB) in "
-                "device memory (%d layers, replicated per rank)", host, host / 2**30,
-                " (pinned)" if any(e.embed.pinned for e in layers) else "", dev, dev / 2**30,
-                len(layers))
+    logger.info("vllm-deepinfer Engram tables: %d bytes (%.1f MiB) in host memory%s, %d bytes (%.1f MiB) in "
+                "device memory (%d layers, replicated per rank)", host, host / 2**20,
+                " (pinned)" if any(e.embed.pinned for e in layers) else "", dev, dev / 2**20, len(layers))
 
 
 def write_token_history(history: PagedCache, batch: StepBatch) -> None:
