@@ -57,7 +57,7 @@ class _DeepInferLinear:
         """Switch to FP8 block storage (filled by the loader). The scales start at byte 127 (1.0): vLLM's
         dummy weights leave non-float parameters untouched, and byte 0xFF would be NaN."""
         n, k = self.weight.shape
-        if self.tp_size > 1 and (n % block or k % block):
+        if (n != self.output_size and n % block) or (k != self.input_size and k % block):  # split dim off the blocks
             raise ValueError(f"{self.prefix or type(self).__name__}: the FP8 shard [{n}, {k}] of tensor parallel "
                              f"size {self.tp_size} does not fall on {block}x{block} scale blocks; "
                              f"use DEEPINFER_FP8_LINEARS=bf16 or another tensor_parallel_size")
