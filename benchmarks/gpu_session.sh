@@ -12,6 +12,8 @@
 #       (needs .gpuwork/head-{v41,v4}.safetensors from benchmarks/memorize_head.py, see NOTES.md)
 #   bash benchmarks/gpu_session.sh fw BUDGET_S      # a full-width reduced-depth V4.1 checkpoint made here by
 #       make_checkpoint --preset full-width: in-tree (eager) || the plugin with CUDA graphs, exact and parity
+#   bash benchmarks/gpu_session.sh engram BUDGET_S  # one GPU: DEEPINFER_ENGRAM_DEVICE=host vs gpu, CUDA graphs
+#   bash benchmarks/gpu_session.sh tp BUDGET_S      # two GPUs: tensor_parallel_size 2 vs 1, CUDA graphs
 #   bash benchmarks/gpu_session.sh jit-save [FIRST] # last call on a warm host: JIT caches -> $OUT/jit (copy that
 #       folder to .gpuwork/jit here; the next host's first vllm_env restores it)
 #   The benchmark protocol (issue 9; bench_e2e.py defaults: V4.1 release widths, 8 layers, 384 experts top-6,
@@ -219,6 +221,40 @@ sweep_bench() {  # SIDE BUDGET_S
   echo "sweep $side done t=$((SECONDS - t0)) s"
 }
 
+engram_session() {  # BUDGET_S, one GPU: V4.1 Engram tables in pinned host memory vs on the GPU, CUDA graphs
+  local budget=$1 t0=$SECONDS
+  vllm_env
+  make_checkpoints
+  local F="python3 benchmarks/gpu_vllm_fidelity.py run --impl ours --prompts .gpuwork/prompts.json --kv-bytes 2
+           --no-jit-warmup --gpu-mem 0.12 --no-eager --cudagraph-sizes 1,2,4 --ckpt .gpuwork/ckpt-v41m"
+  for d in host gpu; do
+    DEEPINFER_ENGRAM_DEVICE=$d timeout $((budget - 20)) $F --out "$OUT/engram_$d.json" > "$LOGS/engram_$d.log" 2>&1 &
+  done
+  wait
+  grep -h "Engram tables\|Model loading took\|Error" "$LOGS"/engram_*.log | cut -c1-240
+  python3 benchmarks/gpu_vllm_fidelity.py compare "$OUT/engram_host.json" "$OUT/engram_gpu.json" --labels host,gpu 2>&1 | head -6
+  pack_logs
+  echo "engram session done t=$((SECONDS - t0)) s"
+}
+
+tp_session() {  # BUDGET_S, two GPUs: tensor_parallel_size 2 vs 1 (memorised-head V4.1 and V4, CUDA graphs)
+  local budget=$1 t0=$SECONDS
+  vllm_env
+  make_checkpoints
+  local F="python3 benchmarks/gpu_vllm_fidelity.py run --impl ours --prompts .gpuwork/prompts.json --kv-bytes 2
+           --no-jit-warmup --gpu-mem 0.12 --no-eager --cudagraph-sizes 1,2,4"
+  local left=$(( (budget - 30) / 2 ))
+  for a in v41 v4; do
+    timeout $left $F --tp 2 --ckpt .gpuwork/ckpt-${a}m --out "$OUT/tp2_$a.json" > "$LOGS/tp2_$a.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=1 timeout $left $F --ckpt .gpuwork/ckpt-${a}m --out "$OUT/tp1_$a.json" > "$LOGS/tp1_$a.log" 2>&1 &
+    wait
+    python3 benchmarks/gpu_vllm_fidelity.py compare "$OUT/tp2_$a.json" "$OUT/tp1_$a.json" --labels tp2,tp1 2>&1 | head -6
+  done
+  grep -h "Error" "$LOGS"/tp*.log | head -5
+  pack_logs
+  echo "tp session done t=$((SECONDS - t0)) s"
+}
+
 case "$mode" in
   kernels) kernels ;;
   stage) bash "$REPO/shared/gpu/receive.sh" "$2" ;;
@@ -227,10 +263,12 @@ case "$mode" in
   intree-bench) intree_bench "${2:-560}" ;;
   memo) memo_session "${2:-560}" ;;
   fw) fw_session "${2:-560}" ;;
+  engram) engram_session "${2:-560}" ;;
+  tp) tp_session "${2:-560}" ;;
   jit-save) bash shared/gpu/jit-cache.sh save "$OUT/jit" "${2:-0}" ;;
   compact) compact_bench "${2:-560}" ;;
   serve-ours|serve-intree) serve_bench "${mode#serve-}" "${2:-560}" ;;
   cold-ours|cold-intree) cold_bench "${mode#cold-}" "${2:-560}" ;;
   sweep-ours|sweep-intree) sweep_bench "${mode#sweep-}" "${2:-560}" ;;
-  *) echo "usage: $0 kernels|stage DIR|vllm|ours-bench|intree-bench|memo|fw|compact|serve-SIDE|cold-SIDE|sweep-SIDE BUDGET_S|jit-save [FIRST]" >&2; exit 2 ;;
+  *) echo "usage: $0 kernels|stage DIR|vllm|ours-bench|intree-bench|memo|fw|engram|tp|compact|serve-SIDE|cold-SIDE|sweep-SIDE BUDGET_S|jit-save [FIRST]" >&2; exit 2 ;;
 esac

@@ -3,7 +3,7 @@
 Three sub-commands (see NOTES-gpu-vllm.md for the exact device commands):
 
   prompts  CKPT OUT.json [--lens 37,300,1000]       CPU: token ids of English text (tests/fidelity.prompt_ids)
-  run      --impl ours|intree --ckpt DIR --prompts P.json --out R.json [--dtype bfloat16] [--eager]
+  run      --impl ours|intree --ckpt DIR --prompts P.json --out R.json [--dtype bfloat16] [--eager] [--tp N]
            one vLLM engine (in this process), greedy N new tokens per prompt (ignore_eos), prompt
            logprobs (top-5 + the prompt token) and sampled logprobs (top-5). `intree` sets
            DEEPINFER_DISABLE=1 before vLLM is imported, so vLLM's own model class serves the arch.
@@ -70,7 +70,7 @@ def cmd_run(a) -> None:
     out = Path(a.out)
     kwargs = dict(model=str(a.ckpt), dtype=a.dtype, enforce_eager=a.eager, max_model_len=a.max_model_len,
                   max_num_batched_tokens=a.max_model_len, max_num_seqs=4, seed=0,
-                  gpu_memory_utilization=a.gpu_mem, trust_remote_code=False)
+                  gpu_memory_utilization=a.gpu_mem, trust_remote_code=False, tensor_parallel_size=a.tp)
     if a.kv_bytes:  # fixed KV budget: skips vLLM's device-global memory profiling (two engines share the GPU)
         kwargs["kv_cache_memory_bytes"] = int(a.kv_bytes * 2**30)
     if a.no_jit_warmup:  # compile kernels on first use instead of for every warm-up shape (numerics unchanged)
@@ -245,6 +245,7 @@ def main() -> None:
     s.add_argument("--kv-bytes", type=float, default=0.0, help="GiB of KV cache (0: vLLM's profiling)")
     s.add_argument("--no-jit-warmup", action="store_true")
     s.add_argument("--text-only", action="store_true")
+    s.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     s = sub.add_parser("compare")
     s.add_argument("a")
     s.add_argument("b")

@@ -32,6 +32,13 @@ def test_fp8_linears_checked():
         settings.check({"DEEPINFER_FP8_LINEARS": "fp4"}, platform_device="cpu")
 
 
+def test_engram_device_checked():
+    assert settings.check({"DEEPINFER_ENGRAM_DEVICE": "auto"}, platform_device="cuda") == ["DEEPINFER_ENGRAM_DEVICE: host"]
+    assert settings.check({"DEEPINFER_ENGRAM_DEVICE": "gpu"}, platform_device="cuda") == ["DEEPINFER_ENGRAM_DEVICE: gpu"]
+    with pytest.raises(settings.DeepInferSettingError, match="accepted: host, gpu, auto"):
+        settings.check({"DEEPINFER_ENGRAM_DEVICE": "nvme"}, platform_device="cpu")
+
+
 def test_hf_model_dir_maps_to_model(tmp_path, monkeypatch):
     with pytest.raises(settings.DeepInferSettingError, match="no config.json"):
         settings.check({"DEEPINFER_HF_MODEL_DIR": str(tmp_path)})
@@ -52,6 +59,6 @@ def test_every_readme_setting_has_a_decision():
     readme = {"DEEPINFER_ENABLE_MTP_VARLEN", "DEEPINFER_USE_NEXTN_DECODE", "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE",
               "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", "DEEPINFER_BATCH_INVARIANT", "DEEPINFER_HF_MODEL_DIR",
               "DEEPINFER_ACCELERATOR", "DEEPINFER_NUMERICS", "DEEPINFER_FP8_LINEARS",
-              "DEEPINFER_EXPERT_STORAGE"}
+              "DEEPINFER_EXPERT_STORAGE", "DEEPINFER_ENGRAM_DEVICE"}
     assert readme == set(settings.SETTINGS)
     assert all(s.reason and s.vllm_equivalent for s in settings.SETTINGS.values())

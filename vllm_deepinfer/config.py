@@ -294,6 +294,12 @@ class ArchConfig:
         if self.family == V41:
             self._validate_v41()
 
+    def check_tensor_parallel(self, tp: int) -> None:
+        """Can tensor parallel size `tp` split this model (query heads and wo_a groups per rank)?"""
+        if self.num_heads % tp or self.o_groups % tp:
+            raise ConfigError(f"tensor_parallel_size {tp} must divide num_attention_heads ({self.num_heads}) and "
+                              f"o_groups ({self.o_groups}): each rank owns whole query heads and wo_a groups")
+
     def _validate_v41(self) -> None:
         kv, idx = self.kv_source_layer_ids, self.index_source_layer_ids
         for name, ids in (("kv_source_layer_ids", kv), ("index_source_layer_ids", idx)):

@@ -3,6 +3,12 @@
 Keys of a query at position p: its own layer's window (the last W positions, itself included) and,
 for compressed layers, rows of the KV source's compressed cache: all visible rows (V4 HCA) or the
 rows its index source selected (V4 CSA, V4.1). Values equal keys; a learned sink absorbs mass.
+
+Tensor parallel (vLLM's TP group, the layout of vLLM's in-tree V4/V4.1): each rank owns H/tp query
+heads (`wq_b` column-parallel, `attn_sink` split by heads) and the matching o_groups/tp groups of the
+grouped `wo_a` (column-parallel); `wo_b` is row-parallel (all-reduce). `wq_a`, `wkv`, the compressor and
+the indexer are replicated, so every rank holds the full latent KV, compressed rows and index keys, as
+in vLLM's MLA models, and selects the same rows.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from vllm_deepinfer.attention.caches import PagedCache
 from vllm_deepinfer.config import V4, ArchConfig, LayerPlan
 from vllm_deepinfer.models.compressor import Compressor
 from vllm_deepinfer.models.indexer import Indexer
-from vllm_deepinfer.models.layers import Linear, RMSNorm, _param
+from vllm_deepinfer.models.layers import ColumnLinear, Linear, RMSNorm, RowLinear, _param, head_sharded
 from vllm_deepinfer.models.rope import RotaryTable
 from vllm_deepinfer.models.step import RequestSpan, StepBatch
 from vllm_deepinfer.ops import quant
@@ -25,18 +31,20 @@ class Attention(nn.Module):
     def __init__(self, arch: ArchConfig, plan: LayerPlan, rope: RotaryTable, prefix: str, page_bytes: int):
         super().__init__()
         self.plan, self.rope = plan, rope
-        self.n_heads, self.head_dim, self.groups = arch.num_heads, arch.head_dim, arch.o_groups
+        d, h = arch.head_dim, arch.num_heads
+        self.wq_a = Linear(arch.hidden_size, arch.q_lora_rank, prefix=f"{prefix}.wq_a")
+        self.q_norm = RMSNorm(arch.q_lora_rank, arch.rms_norm_eps)
+        self.wq_b = ColumnLinear(arch.q_lora_rank, h * d, prefix=f"{prefix}.wq_b")
+        self.wkv = Linear(arch.hidden_size, d, prefix=f"{prefix}.wkv")
+        self.kv_norm = RMSNorm(d, arch.rms_norm_eps)
+        self.wo_a = ColumnLinear(h * d // arch.o_groups, arch.o_groups * arch.o_lora_rank, prefix=f"{prefix}.wo_a")
+        self.wo_b = RowLinear(arch.o_groups * arch.o_lora_rank, arch.hidden_size, prefix=f"{prefix}.wo_b")
+        tp = self.wq_b.tp_size
+        # this rank's query heads and wo_a groups (ArchConfig.check_tensor_parallel guarantees divisibility)
+        self.n_heads, self.head_dim, self.groups = h // tp, d, arch.o_groups // tp
         self.window, self.eps, self.scale = arch.window, arch.rms_norm_eps, arch.softmax_scale
         self.per_head_q_norm = arch.family == V4  # V4.1: "qr is normed before wq_b" (spec §7 Q6)
-        d, h = arch.head_dim, arch.num_heads
-        self.wq_a = Linear(arch.hidden_size, arch.q_lora_rank)
-        self.q_norm = RMSNorm(arch.q_lora_rank, arch.rms_norm_eps)
-        self.wq_b = Linear(arch.q_lora_rank, h * d)
-        self.wkv = Linear(arch.hidden_size, d)
-        self.kv_norm = RMSNorm(d, arch.rms_norm_eps)
-        self.wo_a = Linear(h * d // arch.o_groups, arch.o_groups * arch.o_lora_rank)
-        self.wo_b = Linear(arch.o_groups * arch.o_lora_rank, arch.hidden_size)
-        self.attn_sink = _param(h, dtype=torch.float32)
+        self.attn_sink = head_sharded(_param(h // tp, dtype=torch.float32))
         dtype = torch.get_default_dtype()
         self.parity_kv = quant.enabled("kv")
         self.parity_wo_a = arch.family == V4 and quant.enabled("act")

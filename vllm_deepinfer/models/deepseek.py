@@ -19,6 +19,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 from vllm.config import VllmConfig
+from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
@@ -31,7 +32,14 @@ from vllm_deepinfer.checkpoint.inventory import expected_tensors
 from vllm_deepinfer.config import V4, V41, ArchConfig
 from vllm_deepinfer.log import get_logger
 from vllm_deepinfer.models.attention import Attention
-from vllm_deepinfer.models.engram import Engram, EngramHasher, write_token_history
+from vllm_deepinfer.models.engram import (
+    Engram,
+    EngramHasher,
+    EngramPrefetch,
+    engram_device,
+    log_engram_placement,
+    write_token_history,
+)
 from vllm_deepinfer.models.layers import (
     HyperConnection,
     RMSNorm,
@@ -65,7 +73,8 @@ class HyperHead(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, arch: ArchConfig, layer_id: int, ropes: nn.ModuleDict, prefix: str, page_bytes: int,
-                 hasher: EngramHasher | None, history: PagedCache | None):
+                 hasher: EngramHasher | None, history: PagedCache | None, engram_host: bool = False,
+                 max_tokens: int = 0):
         super().__init__()
         plan = arch.layer_plan(layer_id)
         self.delayed = arch.family == V41
@@ -80,7 +89,8 @@ class DecoderLayer(nn.Module):
                        arch.n_shared_experts, arch.vocab_size, plan.hash_routed, arch.routed_scaling_factor,
                        arch.swiglu_limit, arch.image_token_id if arch.family == V41 else -1,
                        packed_experts=arch.expert_dtype == "fp4" and ops.packed_storage(ops.EXPERT_STORAGE_ENV))
-        self.engram = Engram(arch, plan.engram_table, hasher, history) if plan.engram_table is not None else None
+        self.engram = (Engram(arch, plan.engram_table, hasher, history, engram_host, max_tokens)
+                       if plan.engram_table is not None else None)
 
     def forward(self, streams: torch.Tensor, carry: torch.Tensor | None, batch: StepBatch):
         """streams: [T, h, D]; carry: V4.1 pre of the previous sublayer [T, h] (None before layer 0)."""
@@ -113,10 +123,17 @@ class DeepseekModel(nn.Module):
             self.history = PagedCache(f"{prefix}.layers.{arch.engram_layer_ids[0]}.engram.history_cache",
                                       arch.head_dim * dtype.itemsize // torch.int32.itemsize, torch.int32,
                                       page_bytes, window=arch.engram_max_ngram_size)
+        host = engram_device(torch.device(vllm_config.device_config.device).type) == "host"
+        max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self.layers = nn.ModuleList(
-            DecoderLayer(arch, l, self.ropes, f"{prefix}.layers.{l}", page_bytes, self.hasher, self.history)
+            DecoderLayer(arch, l, self.ropes, f"{prefix}.layers.{l}", page_bytes, self.hasher, self.history,
+                         host, max_tokens)
             for l in range(arch.num_layers))
         self._wire_shared_caches()
+        engrams = [layer.engram for layer in self.layers if layer.engram is not None]
+        self.engram_prefetch = EngramPrefetch(engrams)
+        if engrams:
+            log_engram_placement(engrams)
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.hc_head = HyperHead(arch) if arch.family == V4 else None
 
@@ -134,6 +151,7 @@ class DeepseekModel(nn.Module):
         batch = StepBatch.from_forward_context(input_ids, positions)
         if self.history is not None:
             write_token_history(self.history, batch)
+            self.engram_prefetch.start(batch)  # host tables: row gathers overlap the layers before Engram
         e = self.embed(input_ids)
         streams = e.unsqueeze(1).expand(-1, self.arch.hc_mult, -1).contiguous()
         carry = None
@@ -155,6 +173,7 @@ class DeepseekForCausalLM(nn.Module):
             raise ValueError(f"{type(self).__name__} runs {self.family} checkpoints, got a {self.arch.family} config")
         logger.info("vllm-deepinfer plugin model %s (%s, %d layers, ops: %s)", type(self).__name__,
                     self.arch.family, self.arch.num_layers, ops.backend_for(torch.empty(0, device=vllm_config.device_config.device)))
+        self.arch.check_tensor_parallel(get_tensor_model_parallel_world_size())
         numerics = quant.configure()
         self.model = DeepseekModel(vllm_config, self.arch, prefix="model")
         if ops.packed_storage(ops.FP8_LINEARS_ENV):

@@ -5,23 +5,48 @@ one FP8 table per Engram layer; the looked-up rows are projected to per-stream k
 value, and a per-stream gate adds the value into the residual streams. Previous token ids come
 from a per-request token-history cache (a paged sliding window of max_ngram - 1 tokens), so
 n-grams cross chunk and step boundaries.
+
+Table placement (`DEEPINFER_ENGRAM_DEVICE`, `engram_device`): `gpu` keeps the tables in device memory
+and looks rows up inside the layer. `host` (the default on CUDA; the release tables are ~200 GB) keeps
+them in pinned host memory, which the GPU reads through a UVA view (`get_accelerator_view_from_cpu_tensor`,
+as vLLM's in-tree Engram does): at the start of each step, once the token ids are in the history cache,
+`EngramPrefetch` hashes every Engram layer's n-grams and gathers its rows into persistent device
+staging buffers on a side stream, so the PCIe reads overlap the layers before the Engram layer, which
+waits on its own event. Persistent buffers and a fork/join of the capturing stream keep the decode step
+capturable as a full CUDA graph. Off CUDA there is no side stream; the host path still hashes and
+stages all rows at step start, and must give bitwise the tokens of the in-layer path (tests).
+Under tensor parallelism the tables are replicated on every rank (vLLM's in-tree splits them by hash
+head); under data parallelism each DP rank holds its own copy (in-tree can share one host copy).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import os
 from pathlib import Path
 
 import torch
 from torch import nn
+from vllm.utils.platform_utils import is_uva_available
+from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
 
 from vllm_deepinfer import ops
 from vllm_deepinfer.attention.caches import PagedCache
 from vllm_deepinfer.checkpoint import engram_hash
 from vllm_deepinfer.checkpoint.formats import dequant_fp8_rows
 from vllm_deepinfer.config import ArchConfig
+from vllm_deepinfer.log import get_logger
 from vllm_deepinfer.models.layers import Linear, _param
 from vllm_deepinfer.models.step import RequestSpan, StepBatch
 from vllm_deepinfer.moe.layer import IMAGE_TOKEN_SPAN
+
+logger = get_logger(__name__)
+
+
+def engram_device(device_type: str) -> str:
+    """Table placement of this process (read at model construction)."""
+    return ops.parse_engram_device(os.environ.get(ops.ENGRAM_DEVICE_ENV), device_type)
 
 
 class EngramHasher(nn.Module):
@@ -81,13 +106,15 @@ class EngramHasher(nn.Module):
 class Engram(nn.Module):
     """One Engram layer: table lookup, projection and gated injection into the streams."""
 
-    def __init__(self, arch: ArchConfig, table: int, hasher: EngramHasher, history: PagedCache):
+    def __init__(self, arch: ArchConfig, table: int, hasher: EngramHasher, history: PagedCache,
+                 host: bool = False, max_tokens: int = 0):
         super().__init__()
         self.table, self.hasher, self.history = table, [hasher], history
         self.hc, self.hidden, self.eps = arch.hc_mult, arch.hidden_size, arch.rms_norm_eps
         n_rows, d = arch.engram_num_embeddings[table], arch.engram_head_dim
         n_cols = (arch.engram_max_ngram_size - 1) * arch.engram_n_heads
-        self.embed = EngramTable(n_rows, d)
+        self.embed = EngramTable(n_rows, d, n_cols, host, max_tokens)
+        self.prefetched: EngramPrefetch | None = None  # set by EngramPrefetch for host tables
         self.wkv = Linear(n_cols * d, (self.hc + 1) * self.hidden)
         self.q_weight = _param(self.hc, self.hidden)
         self.k_weight = _param(self.hc, self.hidden)
@@ -97,10 +124,11 @@ class Engram(nn.Module):
         """streams: [T, h, D] -> [T, h, D] with the gated Engram value added."""
         if not batch.has_cache:
             return streams
-        hasher = self.hasher[0]
-        rows = [hasher.hash_ids(self.table, *self.lookback_decode(batch))[:, 0]] if batch.n_dec else []
-        rows = torch.cat(rows + [hasher.hash_ids(self.table, *self.lookback(batch, span)) for span in batch])
-        emb = self.embed(rows).flatten(1)                                     # [T, cols * d]
+        if self.embed.host:
+            self.prefetched.wait(self)
+            emb = self.embed.staged_rows(streams.shape[0]).flatten(1)          # prefetched at step start
+        else:
+            emb = self.embed(self.hash_rows(batch)).flatten(1)                # [T, cols * d]
         kv = self.wkv(emb).view(-1, self.hc + 1, self.hidden)
         keys, value = kv[:, : self.hc], kv[:, self.hc]
         xn = ops.rms_norm(streams, None, self.eps).float()
@@ -112,6 +140,12 @@ class Engram(nn.Module):
             is_image = (ids >= self.image_token_id) & (ids < self.image_token_id + IMAGE_TOKEN_SPAN)
             gate = gate.masked_fill(is_image.unsqueeze(1), 0.0)
         return (streams.float() + gate.unsqueeze(-1) * value.float().unsqueeze(1)).to(streams.dtype)
+
+    def hash_rows(self, batch: StepBatch) -> torch.Tensor:
+        """Table rows of every token's n-grams, [T, cols] (one-token requests first, then the spans)."""
+        hasher = self.hasher[0]
+        rows = [hasher.hash_ids(self.table, *self.lookback_decode(batch))[:, 0]] if batch.n_dec else []
+        return torch.cat(rows + [hasher.hash_ids(self.table, *self.lookback(batch, span)) for span in batch])
 
     def lookback(self, batch: StepBatch, span: RequestSpan) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids of the span plus the max_ngram-1 before it (from the history cache)."""
@@ -132,17 +166,108 @@ class Engram(nn.Module):
 
 
 class EngramTable(nn.Module):
-    """FP8 table with one E8M0 scale per 32 values per row, decoded on lookup."""
+    """FP8 table with one E8M0 scale per 32 values per row, decoded on lookup.
 
-    def __init__(self, n_rows: int, dim: int):
+    `host`: the table lives in host memory (pinned on CUDA) and rows are gathered into persistent
+    staging buffers of `max_tokens` tokens x `cols` rows by `prefetch` (see the module docstring)."""
+
+    def __init__(self, n_rows: int, dim: int, cols: int, host: bool = False, max_tokens: int = 0):
         super().__init__()
-        self.register_buffer("weight", torch.zeros(n_rows, dim, dtype=torch.float8_e4m3fn), persistent=False)
-        self.register_buffer("scale", torch.zeros(n_rows, dim // 32, dtype=torch.float8_e8m0fnu), persistent=False)
+        self.host = host
+        device = torch.get_default_device()
+        table_device = torch.device("cpu") if host else device
+        self.pinned = pin = host and device.type == "cuda"
+        if pin and not is_uva_available():
+            raise RuntimeError(f"{ops.ENGRAM_DEVICE_ENV}=host needs UVA (pinned host memory the GPU can read); "
+                               f"set {ops.ENGRAM_DEVICE_ENV}=gpu to keep the Engram tables in GPU memory")
+        zeros = functools.partial(torch.zeros, device=table_device, pin_memory=pin)
+        self.register_buffer("weight", zeros(n_rows, dim, dtype=torch.float8_e4m3fn), persistent=False)
+        self.register_buffer("scale", zeros(n_rows, dim // 32, dtype=torch.float8_e8m0fnu), persistent=False)
+        self._views: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._n_staged = 0
+        if host:  # persistent: addresses stay fixed across CUDA graph replays
+            self.staged_weight = torch.zeros(max_tokens, cols, dim, dtype=torch.float8_e4m3fn, device=device)
+            self.staged_scale = torch.zeros(max_tokens, cols, dim // 32, dtype=torch.float8_e8m0fnu, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes + self.scale.nbytes
+
+    def _device_views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The table as the compute device sees it: itself, or for pinned tables their UVA views
+        (built once after loading; the loader writes the pinned tensors in place)."""
+        if not self.pinned:
+            return self.weight, self.scale
+        if self._views is None:
+            self._views = (get_accelerator_view_from_cpu_tensor(self.weight),
+                           get_accelerator_view_from_cpu_tensor(self.scale))
+        return self._views
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
         """rows: [T, C] -> [T, C, dim] fp32 (no host round trip: the loader has rejected NaN codes)."""
         flat = rows.flatten()
         return dequant_fp8_rows(self.weight[flat], self.scale[flat], checked=False).view(*rows.shape, -1)
+
+    def prefetch(self, rows: torch.Tensor) -> None:
+        """Gather the FP8 rows [T, C] into the staging buffers (host tables; runs on the prefetch stream)."""
+        t = rows.shape[0]
+        if t > self.staged_weight.shape[0]:
+            raise RuntimeError(f"Engram staging holds {self.staged_weight.shape[0]} tokens, the step has {t}")
+        weight, scale = self._device_views()
+        flat = rows.flatten()
+        torch.index_select(weight.view(torch.uint8), 0, flat,
+                           out=self.staged_weight[:t].view(torch.uint8).view(-1, weight.shape[-1]))
+        torch.index_select(scale.view(torch.uint8), 0, flat,
+                           out=self.staged_scale[:t].view(torch.uint8).view(-1, scale.shape[-1]))
+        self._n_staged = t
+
+    def staged_rows(self, t: int) -> torch.Tensor:
+        """The prefetched rows of this step's T tokens, decoded: [T, C, dim] fp32."""
+        if t != self._n_staged:
+            raise RuntimeError(f"Engram rows were prefetched for {self._n_staged} tokens, the layer has {t}")
+        return dequant_fp8_rows(self.staged_weight[:t], self.staged_scale[:t], checked=False)
+
+
+class EngramPrefetch:
+    """Starts the row gathers of every host-table Engram layer at the start of a step (after the token
+    history is written) and makes each layer wait for its own rows only.
+
+    On CUDA the gathers run on a side stream forked from the current stream (a legal multi-stream
+    capture, so decode steps stay one full CUDA graph); elsewhere they run inline."""
+
+    def __init__(self, layers: list[Engram]):
+        self.layers = [e for e in layers if e.embed.host]
+        cuda = bool(self.layers) and self.layers[0].embed.staged_weight.is_cuda
+        self.stream = torch.cuda.Stream() if cuda else None
+        self.events = {id(e): torch.cuda.Event() for e in self.layers} if cuda else {}
+        for e in self.layers:
+            e.prefetched = self
+
+    def start(self, batch: StepBatch) -> None:
+        if not batch.has_cache or not self.layers:
+            return
+        ctx = contextlib.nullcontext()
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream())
+            ctx = torch.cuda.stream(self.stream)
+        with ctx:
+            for e in self.layers:
+                e.embed.prefetch(e.hash_rows(batch))
+                if self.stream is not None:
+                    self.events[id(e)].record(self.stream)
+
+    def wait(self, layer: Engram) -> None:
+        if self.stream is not None:
+            torch.cuda.current_stream().wait_event(self.events[id(layer)])
+
+
+def log_engram_placement(layers: list[Engram]) -> None:
+    """One line the planner can check: bytes of the Engram tables in host vs device memory (this rank)."""
+    host = sum(e.embed.nbytes for e in layers if e.embed.host)
+    dev = sum(e.embed.nbytes for e in layers if not e.embed.host)
+    logger.info("vllm-deepinfer Engram tables: %d bytes (%.1f MiB) in host memory%s, %d bytes (%.1f MiB) in "
+                "device memory (%d layers, replicated per rank)", host, host / 2**20,
+                " (pinned)" if any(e.embed.pinned for e in layers) else "", dev, dev / 2**20, len(layers))
 
 
 def write_token_history(history: PagedCache, batch: StepBatch) -> None:

@@ -1,4 +1,4 @@
-"""Parameter holders of the torch path: dense linear and RMSNorm.
+"""Parameter holders of the torch path: linears (on vLLM's replicated / column / row parallel layers), RMSNorm.
 
 Checkpoint weights are dequantised once at load time (FP8 block / MXFP4 -> model dtype), except the
 FP8 block linears when packed storage is selected (`DEEPINFER_FP8_LINEARS=packed`, `pack_fp8_linears`):
@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from vllm.model_executor.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from vllm.model_executor.model_loader.weight_utils import sharded_weight_loader
+from vllm.model_executor.utils import set_weight_attrs
 
 from vllm_deepinfer import ops
+from vllm_deepinfer.models.quant_config import LINEAR_CONFIG
 from vllm_deepinfer.ops import quant
 
 #: Linears whose activations vLLM's in-tree V4 path quantises to FP8 (DeepGEMM W8A8, 1x128 UE8M0),
@@ -25,15 +29,24 @@ def _param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
-class Linear(nn.Module):
-    """y = x W^T with W: [out_features, in_features] (no bias in this model).
+def head_sharded(param: nn.Parameter) -> nn.Parameter:
+    """Mark a per-head parameter [H_local, ...] (e.g. `attn_sink`) as split over the TP ranks by heads."""
+    set_weight_attrs(param, {"weight_loader": sharded_weight_loader(0)})
+    return param
+
+
+class _DeepInferLinear:
+    """y = x W^T (no bias in this model) on one of vLLM's linear layers; W: [N_local, K_local] is this
+    rank's shard (vLLM's `weight_loader` narrows the checkpoint tensor), the product runs in
+    `forward_local` through `ops`, and vLLM's `forward` adds the collective (RowParallel: all-reduce).
 
     Storage: `weight` in the model dtype, or after `pack_fp8(B)` the E4M3 codes `weight` [N, K] and the
-    E8M0 scale bytes `scale` (uint8) [ceil(N/B), ceil(K/B)] of model-spec §4.2."""
+    E8M0 scale bytes `scale` (uint8) [ceil(N/B), ceil(K/B)] of model-spec §4.2, sharded the same way
+    (shard boundaries must fall on scale blocks)."""
 
-    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype | None = None):
-        super().__init__()
-        self.weight = _param(out_features, in_features, dtype=dtype)
+    weight: nn.Parameter
+
+    def _init_storage(self) -> None:
         self.scale: nn.Parameter | None = None
         self.block: tuple[int, int] | None = None
         self._packed_dtype: torch.dtype | None = None
@@ -44,10 +57,18 @@ class Linear(nn.Module):
         """Switch to FP8 block storage (filled by the loader). The scales start at byte 127 (1.0): vLLM's
         dummy weights leave non-float parameters untouched, and byte 0xFF would be NaN."""
         n, k = self.weight.shape
+        if (n != self.output_size and n % block) or (k != self.input_size and k % block):  # split dim off the blocks
+            raise ValueError(f"{self.prefix or type(self).__name__}: the FP8 shard [{n}, {k}] of tensor parallel "
+                             f"size {self.tp_size} does not fall on {block}x{block} scale blocks; "
+                             f"use DEEPINFER_FP8_LINEARS=bf16 or another tensor_parallel_size")
+        attrs = {a: getattr(self.weight, a) for a in ("input_dim", "output_dim", "weight_loader")
+                 if hasattr(self.weight, a)}
         dev, self._packed_dtype = self.weight.device, self.weight.dtype
         self.weight = nn.Parameter(torch.empty(n, k, dtype=torch.float8_e4m3fn, device=dev), requires_grad=False)
         self.scale = nn.Parameter(torch.full((-(-n // block), -(-k // block)), 127, dtype=torch.uint8, device=dev),
                                   requires_grad=False)
+        set_weight_attrs(self.weight, attrs)
+        set_weight_attrs(self.scale, attrs)
         self.block = (block, block)
 
     @property
@@ -56,17 +77,45 @@ class Linear(nn.Module):
         return self.weight.dtype if self.scale is None else self._packed_dtype
 
     def matmul(self, x: torch.Tensor, groups: int = 1) -> torch.Tensor:
-        """x [T, G*K] -> x W^T [T, N] without activation quantisation; groups = G > 1: the block-diagonal
-        product of `ops.linear` (x group g times rows g*N/G.. of W)."""
+        """x [T, G*K] -> x W^T [T, N] on this rank's shard, without activation quantisation or collective;
+        groups = G > 1: the block-diagonal product of `ops.linear` (x group g times rows g*N/G.. of W)."""
         if self.scale is not None:
             return ops.linear_fp8_block(x, self.weight, self.scale, self.block, groups)
         return ops.linear(x, self.weight, groups)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_local(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's product (`DeepInferLinearMethod.apply`), with parity activation quantisation."""
         x = x.to(self.act_dtype)
         if self.act_block is not None:
             x = quant.act_roundtrip(x, self.act_block)
         return self.matmul(x)
+
+
+class Linear(_DeepInferLinear, ReplicatedLinear):
+    """Replicated on every TP rank: Linear(in_features, out_features, dtype)."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype | None = None, prefix: str = ""):
+        super().__init__(in_features, out_features, bias=False, params_dtype=dtype, quant_config=LINEAR_CONFIG,
+                         prefix=prefix, return_bias=False, disable_tp=True)
+        self._init_storage()
+
+
+class ColumnLinear(_DeepInferLinear, ColumnParallelLinear):
+    """Output features split over the TP ranks (each rank holds rows rank*N/tp.. of W); no gather."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype | None = None, prefix: str = ""):
+        super().__init__(in_features, out_features, bias=False, params_dtype=dtype, quant_config=LINEAR_CONFIG,
+                         prefix=prefix, return_bias=False)
+        self._init_storage()
+
+
+class RowLinear(_DeepInferLinear, RowParallelLinear):
+    """Input features split over the TP ranks (the input is already this rank's slice); outputs all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype | None = None, prefix: str = ""):
+        super().__init__(in_features, out_features, bias=False, params_dtype=dtype, quant_config=LINEAR_CONFIG,
+                         prefix=prefix, return_bias=False)
+        self._init_storage()
 
 
 def pack_fp8_linears(model: nn.Module, fp8_weights: set[str], block: int) -> list[str]:
@@ -74,7 +123,7 @@ def pack_fp8_linears(model: nn.Module, fp8_weights: set[str], block: int) -> lis
     checkpoint's block-FP8 tensors, named relative to `model`). Returns the names packed."""
     done = []
     for name, module in model.named_modules():
-        if isinstance(module, Linear) and f"{name}.weight" in fp8_weights:
+        if isinstance(module, _DeepInferLinear) and f"{name}.weight" in fp8_weights:
             module.pack_fp8(block)
             done.append(name)
     return done
@@ -86,7 +135,7 @@ def enable_activation_quant(model: nn.Module, names: tuple[str, ...] = V4_FP8_AC
     Returns the qualified names of the linears switched on."""
     done = []
     for name, module in model.named_modules():
-        if isinstance(module, Linear) and name.endswith(names):
+        if isinstance(module, _DeepInferLinear) and name.endswith(names):
             module.act_block = block
             done.append(name)
     return done

@@ -5,6 +5,8 @@ written (missing tensor, wrong dtype or shape, NaN codes: the error names the te
 checkpoint never leaves a half-initialised model. FP8 block and MXFP4 tensors are dequantised
 here, except into FP8-packed linears (`Linear.pack_fp8`), which take the codes and scale bytes as
 stored, and routed experts with packed storage (`RoutedExperts`), which keep the MXFP4 bytes;
+Under tensor parallelism each rank writes its shard of every split tensor (the parameters' vLLM
+weight loaders narrow the whole tensor, FP8 scale blocks included).
 MTP/DSpark (`mtp.*`) tensors belong to the drafter and the vision tower to the VL wrapper,
 so the text model skips them with one log line.
 """
@@ -101,8 +103,8 @@ def load_checkpoint(model: nn.Module, arch: ArchConfig, weights: Iterable[tuple[
         dst = target_name(name)
         if dst in params and params[dst].dtype == torch.float8_e4m3fn:  # packed FP8 linear: codes + E8M0 bytes
             scale_name, scale_dst = name[: -len("weight")] + "scale", dst[: -len("weight")] + "scale"
-            _copy(params[dst], tensors[name], name, dst)
-            _copy(params[scale_dst], tensors[scale_name].view(torch.uint8), scale_name, scale_dst)
+            _load(params[dst], tensors[name], name, dst)
+            _load(params[scale_dst], tensors[scale_name].view(torch.uint8), scale_name, scale_dst)
             loaded.update((dst, scale_dst))
             continue
         value = _decode(name, tensors, block)
@@ -111,12 +113,7 @@ def load_checkpoint(model: nn.Module, arch: ArchConfig, weights: Iterable[tuple[
             continue
         if dst not in params:
             raise InventoryError(f"checkpoint tensor '{name}' has no parameter '{dst}' in the model")
-        param = params[dst]
-        loader = getattr(param, "weight_loader", None)
-        if loader is not None:
-            loader(param, value.to(param.dtype))
-        else:
-            _copy(param, value, name, dst)
+        _load(params[dst], value.to(params[dst].dtype), name, dst)
         loaded.add(dst)
     missing = set(params) - loaded
     if missing:
@@ -124,7 +121,13 @@ def load_checkpoint(model: nn.Module, arch: ArchConfig, weights: Iterable[tuple[
     return loaded
 
 
-def _copy(param: nn.Parameter, value: torch.Tensor, name: str, dst: str) -> None:
+def _load(param: nn.Parameter, value: torch.Tensor, name: str, dst: str) -> None:
+    """Write a whole checkpoint tensor into `param`: through its vLLM `weight_loader` when it has one
+    (tensor-parallel layers copy this rank's shard), else as is."""
+    loader = getattr(param, "weight_loader", None)
+    if loader is not None:
+        loader(param, value)
+        return
     if tuple(param.shape) != tuple(value.shape):
         raise InventoryError(f"checkpoint tensor '{name}' has shape {list(value.shape)}, "
                              f"parameter '{dst}' expects {list(param.shape)}")

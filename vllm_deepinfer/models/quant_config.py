@@ -4,7 +4,11 @@ The checkpoints declare `quant_method: fp8` (FP8 e4m3 with UE8M0 block scales, M
 vLLM routes them to `deepseek_v4_fp8`, whose layers the DeepInfer model does not use, and which
 rejects float32 and refuses V4.1 off CUDA/ROCm. This config claims both checkpoint families while
 the plugin is active; the DeepInfer model reads the quantised tensors itself (see models/loader.py),
-so no vLLM layer gets a quantize method from here.
+except through `DeepInferLinearMethod`, the weight holder of the model's linears (models/layers.py),
+which are vLLM's parallel linears (`ReplicatedLinear`, `ColumnParallelLinear`, `RowParallelLinear`):
+vLLM's layers shard the parameters (`weight_loader`) and reduce the outputs; this method creates the
+weights in the model dtype (or, after `pack_fp8`, E4M3 codes + E8M0 bytes) and multiplies through
+`ops` (the torch path's numerics: no CPU weight repacking, optional parity activation quantisation).
 """
 
 from __future__ import annotations
@@ -12,8 +16,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+from vllm.model_executor.utils import set_weight_attrs
 
 from vllm_deepinfer.registry import MODEL_TYPES
 
@@ -54,4 +60,25 @@ class DeepInferFP8Config(QuantizationConfig):
         return None
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
-        return None
+        return DeepInferLinearMethod() if isinstance(layer, LinearBase) else None
+
+
+class DeepInferLinearMethod(LinearMethodBase):
+    """Weights of a DeepInfer linear: `weight` [N_local, K_local] in the model dtype, sharded by the
+    layer's own vLLM weight loader (`output_dim` 0, `input_dim` 1). `apply` is the layer's `forward_local`
+    (models/layers.py), so packed FP8 storage and parity activation quantisation stay with the layer."""
+
+    def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
+                       output_partition_sizes: list[int], input_size: int, output_size: int,
+                       params_dtype: torch.dtype, **extra_weight_attrs) -> None:
+        weight = torch.nn.Parameter(torch.empty(sum(output_partition_sizes), input_size_per_partition,
+                                                dtype=params_dtype), requires_grad=False)
+        set_weight_attrs(weight, {"input_dim": 1, "output_dim": 0, **extra_weight_attrs})
+        layer.register_parameter("weight", weight)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return layer.forward_local(x)
+
+
+#: The config the model's linears are built with (only its `get_quant_method` is used).
+LINEAR_CONFIG = DeepInferFP8Config([128, 128], "fp4")

@@ -139,6 +139,7 @@ def routed_experts_packed(x, ids, weights, w13, w13_scale, w2, w2_scale, limit, 
 
 FP8_LINEARS_ENV = "DEEPINFER_FP8_LINEARS"
 EXPERT_STORAGE_ENV = "DEEPINFER_EXPERT_STORAGE"
+ENGRAM_DEVICE_ENV = "DEEPINFER_ENGRAM_DEVICE"
 
 
 def parse_storage(env: str, value: str | None) -> str:
@@ -157,6 +158,19 @@ def parse_storage(env: str, value: str | None) -> str:
     if v not in ("packed", "bf16"):
         raise ValueError(f"{env}={value!r}: expected auto, packed or bf16")
     return v
+
+
+def parse_engram_device(value: str | None, device_type: str) -> str:
+    """`DEEPINFER_ENGRAM_DEVICE` -> 'host' or 'gpu'. `auto` (default; also unset or an off value): host
+    memory on CUDA, device memory elsewhere (off CUDA both are the same memory)."""
+    v = (value or "").strip().lower()
+    if v in ("", "auto", "0", "off", "false", "no", "none"):
+        return "host" if device_type == "cuda" else "gpu"
+    if v in ("host", "cpu"):
+        return "host"
+    if v in ("gpu", "device"):
+        return "gpu"
+    raise ValueError(f"{ENGRAM_DEVICE_ENV}={value!r} is unknown; accepted: host, gpu, auto")
 
 
 def packed_storage(env: str) -> bool:

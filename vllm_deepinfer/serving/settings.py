@@ -12,6 +12,7 @@ always accepted: it asks for what the plugin does anyway.
 | `DEEPINFER_NUMERICS` | honoured: `exact` (default) or `parity` (simulate vLLM in-tree SM90 FP8 KV records, FP8 index q/k and V4 FP8 linear activations; or a comma-separated subset `kv,index_k,index_q,act`); read once at model construction (`vllm_deepinfer/ops/quant.py`). An unknown value stops start-up. |
 | `DEEPINFER_FP8_LINEARS` | honoured: `packed` keeps the FP8 block linears' E4M3 codes + E8M0 scale bytes and multiplies through the weight-only FP8 GEMM `ops.linear_fp8_block` (half the weight memory; on CPU the torch reference op, for tests); `bf16` dequantises them at load; `auto` (default) = the storage measured fastest on the H200, `bf16` today (`vllm_deepinfer.ops.parse_storage`). Read at model construction. An unknown value stops start-up. |
 | `DEEPINFER_EXPERT_STORAGE` | honoured: `packed` keeps the routed experts' MXFP4 codes + scales and runs `ops.routed_experts_packed` (a quarter of the expert memory); `bf16` dequantises at load; `auto` (default) = the storage measured fastest on the H200, `bf16` today (`vllm_deepinfer.ops.parse_storage`). Read at model construction. An unknown value stops start-up. |
+| `DEEPINFER_ENGRAM_DEVICE` | honoured: where the V4.1 Engram tables live. `host` keeps them in pinned host memory and gathers each step's rows into device staging buffers on a side stream at step start (UVA reads, overlapped with the layers before the Engram layer; CUDA-graph safe); `gpu` keeps them in device memory; `auto` (default) = `host` on CUDA, `gpu` elsewhere (`vllm_deepinfer.ops.parse_engram_device`). Read at model construction; the load logs the bytes on host and device. An unknown value stops start-up. |
 | `DEEPINFER_BATCH_INVARIANT` | rejected when on: the batch-invariant, per-request-seeded sampler is not in the plugin yet. vLLM's `VLLM_BATCH_INVARIANT=1` is not an equivalent (different kernels/sampler, no DeepInfer bitwise guarantee), so it is not silently substituted. |
 | `DEEPINFER_ENABLE_MTP_VARLEN` | rejected when on: DSpark/MTP variable-length drafting is not in the plugin yet (vLLM equivalent will be `--speculative-config`). |
 | `DEEPINFER_USE_NEXTN_DECODE` | rejected when on: NextN (MTP) decode is speculative decoding, not in the plugin yet (`--speculative-config`). |
@@ -65,6 +66,9 @@ SETTINGS: dict[str, Setting] = {
                 "scales, weight-only FP8 GEMM) or bf16 (dequantised at load)"),
         Setting("DEEPINFER_EXPERT_STORAGE", "honoured", "none (in-tree always runs MXFP4 experts packed)",
                 "storage of the routed experts: auto (= bf16 today, measured faster), packed (MXFP4 codes) or bf16"),
+        Setting("DEEPINFER_ENGRAM_DEVICE", "honoured", "the in-tree Engram's cpu_offload (on by default)",
+                "placement of the V4.1 Engram tables: auto (= host on CUDA), host (pinned host memory, rows "
+                "prefetched each step) or gpu (device memory)"),
         Setting("DEEPINFER_BATCH_INVARIANT", "reject", "none yet (VLLM_BATCH_INVARIANT is not equivalent)",
                 "the batch-invariant, per-request-seeded sampler is not implemented in vllm-deepinfer yet"),
         Setting("DEEPINFER_ENABLE_MTP_VARLEN", "reject", "--speculative-config (future)",
@@ -121,6 +125,14 @@ def check(environ: dict[str, str] | None = None, platform_device: str | None = N
 
             try:
                 notes.append(f"{name}: {parse_storage(name, value)}")
+            except ValueError as e:
+                errors.append(str(e))
+        elif name == "DEEPINFER_ENGRAM_DEVICE":
+            from vllm_deepinfer.ops import parse_engram_device
+
+            try:
+                device = platform_device if platform_device is not None else _platform_device()
+                notes.append(f"{name}: {parse_engram_device(value, device or 'cpu')}")
             except ValueError as e:
                 errors.append(str(e))
         elif name == "DEEPINFER_ACCELERATOR":
