@@ -3,8 +3,9 @@
 The checkpoints declare `quant_method: fp8` (FP8 e4m3 with UE8M0 block scales, MXFP4 experts).
 vLLM routes them to `deepseek_v4_fp8`, whose layers the DeepInfer model does not use, and which
 rejects float32 and refuses V4.1 off CUDA/ROCm. This config claims both checkpoint families while
-the plugin is active; the DeepInfer model reads the quantised tensors itself (see models/loader.py),
-so no vLLM layer gets a quantize method from here.
+the plugin is active. The DeepInfer model reads the quantised tensors itself (see models/loader.py);
+the one vLLM layer it uses with checkpoint weights, the routed experts (vLLM's fused-MoE layer), gets
+its method from `moe.method.expert_method` (MXFP4 kept packed on CUDA, `DEEPINFER_EXPERT_STORAGE`).
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from vllm.model_executor.layers.fused_moe import RoutedExperts
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 
+from vllm_deepinfer.moe.method import expert_method
 from vllm_deepinfer.registry import MODEL_TYPES
 
 NAME = "deepinfer_fp8"
@@ -54,4 +57,6 @@ class DeepInferFP8Config(QuantizationConfig):
         return None
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+        if isinstance(layer, RoutedExperts):
+            return expert_method(layer.moe_config, self.expert_dtype)
         return None
