@@ -102,6 +102,11 @@ class MoE(nn.Module):
             swiglu_limit=swiglu_limit, hash_indices_table=self.gate.tid2eid,
             router_logits_dtype=torch.float32, enable_eplb=parallel.enable_eplb,
             num_redundant_experts=parallel.eplb_config.num_redundant_experts if parallel.enable_eplb else 0)
+        if self.experts.is_monolithic:
+            raise ValueError(f"{prefix}: vLLM selected a monolithic MoE kernel "
+                             f"({type(self.experts.routed_experts.quant_method).__name__}), which routes inside "
+                             "the kernel and would bypass the DeepSeek router; choose a modular backend "
+                             "(--moe-backend marlin) or DEEPINFER_EXPERT_STORAGE=bf16")
         self.shared_experts = SharedExpert(hidden, inter * n_shared) if n_shared else None
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
