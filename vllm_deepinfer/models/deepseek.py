@@ -50,7 +50,7 @@ from vllm_deepinfer.models.layers import (
 from vllm_deepinfer.models.loader import load_checkpoint
 from vllm_deepinfer.models.rope import RotaryTable
 from vllm_deepinfer.models.step import StepBatch
-from vllm_deepinfer.moe.layer import MoE
+from vllm_deepinfer.moe.layer import DeepseekMixtureOfExperts, MoE
 from vllm_deepinfer.ops import quant
 
 logger = get_logger(__name__)
@@ -72,8 +72,8 @@ class HyperHead(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ArchConfig, layer_id: int, ropes: nn.ModuleDict, prefix: str, page_bytes: int,
-                 hasher: EngramHasher | None, history: PagedCache | None, engram_host: bool = False,
+    def __init__(self, vllm_config: VllmConfig, arch: ArchConfig, layer_id: int, ropes: nn.ModuleDict, prefix: str,
+                 page_bytes: int, hasher: EngramHasher | None, history: PagedCache | None, engram_host: bool = False,
                  max_tokens: int = 0):
         super().__init__()
         plan = arch.layer_plan(layer_id)
@@ -85,10 +85,10 @@ class DecoderLayer(nn.Module):
         self.ffn_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         rope = ropes["compress" if plan.compressed else "main"]
         self.attn = Attention(arch, plan, rope, f"{prefix}.attn", page_bytes)
-        self.ffn = MoE(arch.hidden_size, arch.moe_intermediate_size, arch.n_routed_experts, arch.num_experts_per_tok,
-                       arch.n_shared_experts, arch.vocab_size, plan.hash_routed, arch.routed_scaling_factor,
-                       arch.swiglu_limit, arch.image_token_id if arch.family == V41 else -1,
-                       packed_experts=arch.expert_dtype == "fp4" and ops.packed_storage(ops.EXPERT_STORAGE_ENV))
+        self.ffn = MoE(vllm_config, f"{prefix}.ffn", arch.hidden_size, arch.moe_intermediate_size,
+                       arch.n_routed_experts, arch.num_experts_per_tok, arch.n_shared_experts, arch.vocab_size,
+                       plan.hash_routed, arch.routed_scaling_factor, arch.swiglu_limit,
+                       arch.image_token_id if arch.family == V41 else -1)
         self.engram = (Engram(arch, plan.engram_table, hasher, history, engram_host, max_tokens)
                        if plan.engram_table is not None else None)
 
@@ -126,8 +126,8 @@ class DeepseekModel(nn.Module):
         host = engram_device(torch.device(vllm_config.device_config.device).type) == "host"
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self.layers = nn.ModuleList(
-            DecoderLayer(arch, l, self.ropes, f"{prefix}.layers.{l}", page_bytes, self.hasher, self.history,
-                         host, max_tokens)
+            DecoderLayer(vllm_config, arch, l, self.ropes, f"{prefix}.layers.{l}", page_bytes, self.hasher,
+                         self.history, host, max_tokens)
             for l in range(arch.num_layers))
         self._wire_shared_caches()
         engrams = [layer.engram for layer in self.layers if layer.engram is not None]
@@ -161,8 +161,9 @@ class DeepseekModel(nn.Module):
         return self.norm(ops.hc_collapse(streams, weights))
 
 
-class DeepseekForCausalLM(nn.Module):
-    """vLLM model class; `family` pins which checkpoint family the registered name accepts."""
+class DeepseekForCausalLM(nn.Module, DeepseekMixtureOfExperts):
+    """vLLM model class; `family` pins which checkpoint family the registered name accepts. Implements
+    vLLM's `MixtureOfExperts` (expert parallel, EPLB) over the layers' fused-MoE experts."""
 
     family: str = ""
 
@@ -176,6 +177,7 @@ class DeepseekForCausalLM(nn.Module):
         self.arch.check_tensor_parallel(get_tensor_model_parallel_world_size())
         numerics = quant.configure()
         self.model = DeepseekModel(vllm_config, self.arch, prefix="model")
+        self.collect_moe_layers([layer.ffn for layer in self.model.layers])
         if ops.packed_storage(ops.FP8_LINEARS_ENV):
             fp8 = {n for n, (dtype, _) in expected_tensors(self.arch).items() if dtype == "F8_E4M3"}
             packed = pack_fp8_linears(self.model, fp8, self.arch.weight_block_size)

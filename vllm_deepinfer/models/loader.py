@@ -4,9 +4,10 @@ The checkpoint is validated as a whole against the expected inventory before any
 written (missing tensor, wrong dtype or shape, NaN codes: the error names the tensor), so a bad
 checkpoint never leaves a half-initialised model. FP8 block and MXFP4 tensors are dequantised
 here, except into FP8-packed linears (`Linear.pack_fp8`), which take the codes and scale bytes as
-stored, and routed experts with packed storage (`RoutedExperts`), which keep the MXFP4 bytes;
-Under tensor parallelism each rank writes its shard of every split tensor (the parameters' vLLM
-weight loaders narrow the whole tensor, FP8 scale blocks included).
+stored, and packed routed experts, which keep the MXFP4 bytes. Routed experts load through vLLM's
+fused-MoE weight loader (each rank keeps its experts under EP and its slice under TP); under tensor
+parallelism each rank writes its shard of every other split tensor too (the parameters' vLLM weight
+loaders narrow the whole tensor, FP8 scale blocks included).
 MTP/DSpark (`mtp.*`) tensors belong to the drafter and the vision tower to the VL wrapper,
 so the text model skips them with one log line.
 """
@@ -86,19 +87,7 @@ def load_checkpoint(model: nn.Module, arch: ArchConfig, weights: Iterable[tuple[
         if name.endswith(".scale") and name[: -len("scale")] + "weight" in tensors:
             continue  # consumed with its weight
         if m := _EXPERT.match(name):
-            prefix, e, which = m.group(1), int(m.group(2)), m.group(3)
-            inter = arch.moe_intermediate_size
-            if which == "w2":
-                dst, rows = f"model.{prefix}.w2", slice(None)
-            else:
-                dst, rows = f"model.{prefix}.w13", slice(0, inter) if which == "w1" else slice(inter, 2 * inter)
-            if params[dst].dtype == torch.uint8:  # packed storage: the MXFP4 codes and E8M0 bytes as stored
-                params[dst].data[e, rows].copy_(tensors[name].view(torch.uint8))
-                params[dst + "_scale"].data[e, rows].copy_(tensors[name[: -len("weight")] + "scale"].view(torch.uint8))
-                loaded.add(dst + "_scale")
-            else:
-                params[dst].data[e, rows].copy_(_decode(name, tensors, block))
-            loaded.add(dst)
+            loaded.update(_load_expert(model, m.group(1), int(m.group(2)), m.group(3), name, tensors, block))
             continue
         dst = target_name(name)
         if dst in params and params[dst].dtype == torch.float8_e4m3fn:  # packed FP8 linear: codes + E8M0 bytes
@@ -119,6 +108,28 @@ def load_checkpoint(model: nn.Module, arch: ArchConfig, weights: Iterable[tuple[
     if missing:
         raise InventoryError(f"parameters not initialised by the checkpoint: {sorted(missing)[:10]}")
     return loaded
+
+
+def _load_expert(model: nn.Module, prefix: str, expert: int, which: str, name: str,
+                 tensors: dict[str, torch.Tensor], block: int) -> list[str]:
+    """Checkpoint tensor `name` (w1/w2/w3 of global expert `expert` of `prefix` = layers.L.ffn.experts) through
+    the fused-MoE layer's weight loader, which keeps this rank's experts (EP) and TP slice. Packed params
+    (uint8: vLLM's MXFP4 method or the plugin's packed torch method) take the codes and E8M0 bytes as
+    stored, others the dequantised value. Returns the parameter names written (none off this rank)."""
+    owner = f"model.{prefix}.routed_experts"
+    experts = model.get_submodule(owner)
+    if experts._map_global_expert_id_to_local_expert_id(expert) == -1:
+        return []
+    stem = "w2" if which == "w2" else "w13"
+    param = getattr(experts, f"{stem}_weight")
+    if param.dtype != torch.uint8:
+        param.weight_loader(param, _decode(name, tensors, block).to(param.dtype), f"{stem}_weight", which, expert)
+        return [f"{owner}.{stem}_weight"]
+    scale = getattr(experts, f"{stem}_weight_scale")
+    param.weight_loader(param, tensors[name].view(torch.uint8), f"{stem}_weight", which, expert)
+    scale.weight_loader(scale, tensors[name[: -len("weight")] + "scale"].view(torch.uint8), f"{stem}_weight_scale",
+                        which, expert)
+    return [f"{owner}.{stem}_weight", f"{owner}.{stem}_weight_scale"]
 
 
 def _load(param: nn.Parameter, value: torch.Tensor, name: str, dst: str) -> None:

@@ -9,6 +9,8 @@ which are vLLM's parallel linears (`ReplicatedLinear`, `ColumnParallelLinear`, `
 vLLM's layers shard the parameters (`weight_loader`) and reduce the outputs; this method creates the
 weights in the model dtype (or, after `pack_fp8`, E4M3 codes + E8M0 bytes) and multiplies through
 `ops` (the torch path's numerics: no CPU weight repacking, optional parity activation quantisation).
+The routed experts (vLLM's fused-MoE layer) get their method from `moe.method.expert_method` (MXFP4 kept
+packed on CUDA, `DEEPINFER_EXPERT_STORAGE`).
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from vllm.model_executor.layers.fused_moe import RoutedExperts
 from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 from vllm.model_executor.utils import set_weight_attrs
 
+from vllm_deepinfer.moe.method import expert_method
 from vllm_deepinfer.registry import MODEL_TYPES
 
 NAME = "deepinfer_fp8"
@@ -60,6 +64,8 @@ class DeepInferFP8Config(QuantizationConfig):
         return None
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+        if isinstance(layer, RoutedExperts):
+            return expert_method(layer.moe_config, self.expert_dtype)
         return DeepInferLinearMethod() if isinstance(layer, LinearBase) else None
 
 

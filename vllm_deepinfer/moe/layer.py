@@ -1,10 +1,16 @@
-"""Mixture of experts of DeepSeek-V4 / V4.1 (model-spec §3.8).
+"""Mixture of experts of DeepSeek-V4 / V4.1 (model-spec §3.8) on vLLM's fused-MoE layer.
 
-Router: sqrt(softplus(logits)); selection on score + `gate.bias` (V4.1 image-span tokens use
-`gate.bias_vl`), or the fixed `tid2eid` row of the token id on V4 hash layers; weights are the
-unbiased scores renormalised to `routed_scaling_factor`. Routed and shared experts use the
-clamped SwiGLU. Routed experts are stacked: w13 [E, 2I, D] (w1 rows then w3 rows), w2 [E, D, I], in bf16
-or as packed MXFP4 codes + scales (`RoutedExperts`).
+Router (`DeepseekRouter`, ours, plugged into the layer as its router): sqrt(softplus(logits)) in fp32;
+selection on score + `gate.bias` (V4.1 image-span tokens [image_token_id, +5) use `gate.bias_vl`), or
+the fixed `tid2eid` row of the token id on V4 hash layers; weights are the unbiased scores renormalised
+to `routed_scaling_factor`; top-k ties break to the lower expert id. vLLM's own DeepSeek-V4 routers
+differ (CPU: the AVX-512 `biased_topk_cpu` kernel, no `bias_vl`; CUDA: `dsv4_topk`; see
+tests/test_moe_router.py), so ours is passed as `router=`; vLLM's base router adds the EPLB
+logical-to-physical mapping and load recording, for hash layers too.
+
+Routed experts: `FusedMoEFactory` (vLLM's layer, as in-tree): expert placement under EP, dispatch/combine,
+EPLB and the expert method (`moe/method.py`: vLLM's MXFP4 kernels on CUDA, the plugin's torch experts on
+CPU) are vLLM's. Shared expert: the plugin's clamped SwiGLU, added after the routed sum (replicated).
 """
 
 from __future__ import annotations
@@ -13,9 +19,14 @@ import functools
 
 import torch
 from torch import nn
+from vllm.config import VllmConfig
+from vllm.distributed.eplb.eplb_state import EplbLayerState
+from vllm.model_executor.layers.fused_moe import FusedMoEFactory
+from vllm.model_executor.layers.fused_moe.config import RoutingMethodType
+from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+from vllm.model_executor.models.interfaces import MixtureOfExperts
 
 from vllm_deepinfer import ops
-from vllm_deepinfer.checkpoint.formats import MX_BLOCK
 from vllm_deepinfer.models.layers import Linear, _param
 from vllm_deepinfer.ops import quant
 
@@ -41,56 +52,67 @@ class SharedExpert(nn.Module):
         self.w1, self.w2, self.w3 = Linear(hidden, inter), Linear(inter, hidden), Linear(hidden, inter)
 
 
-class RoutedExperts(nn.Module):
-    """Stacked routed experts, bf16 (dequantised at load) or, with `packed`, the stored MXFP4 codes:
-    w13 uint8 [E, 2I, D/2] + w13_scale E8M0 bytes [E, 2I, D/32], w2 uint8 [E, D, I/2] + w2_scale [E, D, I/32]
-    (`ops.routed_experts_packed`). Packed params start as zero codes with scale 1.0 (byte 127), so weights
-    that no checkpoint writes (vLLM's dummy load leaves integer params alone) are finite."""
+class DeepseekRouter(BaseRouter):
+    """The router of the module docstring as a vLLM `FusedMoERouter` (reads `gate`'s tensors at call time)."""
 
-    def __init__(self, n_experts: int, hidden: int, inter: int, packed: bool = False):
-        super().__init__()
-        self.fmt = "mxfp4" if packed else None
-        if not packed:
-            self.w13 = _param(n_experts, 2 * inter, hidden)
-            self.w2 = _param(n_experts, hidden, inter)
-            return
-        u8 = functools.partial(torch.full, dtype=torch.uint8)
-        self.w13 = nn.Parameter(u8((n_experts, 2 * inter, hidden // 2), 0), requires_grad=False)
-        self.w13_scale = nn.Parameter(u8((n_experts, 2 * inter, hidden // MX_BLOCK), 127), requires_grad=False)
-        self.w2 = nn.Parameter(u8((n_experts, hidden, inter // 2), 0), requires_grad=False)
-        self.w2_scale = nn.Parameter(u8((n_experts, hidden, inter // MX_BLOCK), 127), requires_grad=False)
+    def __init__(self, gate: Gate, topk: int, route_scale: float, image_token_id: int,
+                 eplb_state: EplbLayerState | None):
+        super().__init__(top_k=topk, global_num_experts=gate.weight.shape[0], eplb_state=eplb_state)
+        self.gate, self.route_scale, self.image_token_id = gate, route_scale, image_token_id
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, limit: float) -> torch.Tensor:
-        """x: [T, D]; ids, weights: [T, K] -> [T, D] (weighted sum of the routed experts)."""
-        if self.fmt is None:
-            return ops.routed_experts(x, ids, weights, self.w13, self.w2, limit)
-        return ops.routed_experts_packed(x, ids, weights, self.w13, self.w13_scale, self.w2, self.w2_scale, limit,
-                                         self.fmt)
+    @property
+    def routing_method_type(self) -> RoutingMethodType:
+        return RoutingMethodType.DeepseekV4
+
+    def route(self, logits: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits: [T, E] fp32; token_ids: [T] -> (logical expert ids [T, K] int64, weights [T, K] fp32)."""
+        gate, forced, bias = self.gate, None, None
+        if gate.tid2eid is not None:
+            forced = gate.tid2eid[token_ids.long()]
+        else:
+            bias = gate.bias
+            if gate.bias_vl is not None:
+                is_image = (token_ids >= self.image_token_id) & (token_ids < self.image_token_id + IMAGE_TOKEN_SPAN)
+                bias = torch.where(is_image.unsqueeze(-1), gate.bias_vl, gate.bias)
+        return ops.sqrtsoftplus_route(logits, bias, self.top_k, self.route_scale, forced)
+
+    def _compute_routing(self, hidden_states, router_logits, indices_type, *, input_ids=None):
+        if input_ids is None:
+            raise ValueError("DeepSeek V4 routing needs the token ids (hash routing, bias_vl)")
+        ids, weights = self.route(router_logits, input_ids)
+        return weights, ids.to(indices_type or torch.int32)
 
 
 class MoE(nn.Module):
-    def __init__(self, hidden: int, inter: int, n_experts: int, topk: int, n_shared: int, vocab: int,
-                 hash_routed: bool, route_scale: float, swiglu_limit: float, image_token_id: int = -1,
-                 packed_experts: bool = False):
+    """gate + routed experts (vLLM's fused-MoE layer, `experts`) + shared expert."""
+
+    def __init__(self, vllm_config: VllmConfig, prefix: str, hidden: int, inter: int, n_experts: int, topk: int,
+                 n_shared: int, vocab: int, hash_routed: bool, route_scale: float, swiglu_limit: float,
+                 image_token_id: int = -1):
         super().__init__()
-        self.topk, self.route_scale, self.limit, self.image_token_id = topk, route_scale, swiglu_limit, image_token_id
+        self.limit = swiglu_limit
         self.gate = Gate(hidden, n_experts, vocab, topk, hash_routed, with_bias_vl=image_token_id >= 0)
-        self.experts = RoutedExperts(n_experts, hidden, inter, packed_experts)
+        parallel = vllm_config.parallel_config
+        self.router = DeepseekRouter(self.gate, topk, route_scale, image_token_id,
+                                     EplbLayerState() if parallel.enable_eplb else None)
+        self.experts = FusedMoEFactory(
+            num_experts=n_experts, top_k=topk, hidden_size=hidden, intermediate_size=inter,
+            quant_config=vllm_config.quant_config, prefix=f"{prefix}.experts", router=self.router,
+            ckpt_names=("w1", "w2", "w3"), scoring_func="sqrtsoftplus", routed_scaling_factor=route_scale,
+            swiglu_limit=swiglu_limit, hash_indices_table=self.gate.tid2eid,
+            router_logits_dtype=torch.float32, enable_eplb=parallel.enable_eplb,
+            num_redundant_experts=parallel.eplb_config.num_redundant_experts if parallel.enable_eplb else 0)
+        if self.experts.is_monolithic:
+            raise ValueError(f"{prefix}: vLLM selected a monolithic MoE kernel "
+                             f"({type(self.experts.routed_experts.quant_method).__name__}), which routes inside "
+                             "the kernel and would bypass the DeepSeek router; choose a modular backend "
+                             "(--moe-backend marlin) or DEEPINFER_EXPERT_STORAGE=bf16")
         self.shared_experts = SharedExpert(hidden, inter * n_shared) if n_shared else None
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """x: [T, D] (normalised FFN input); token_ids: [T] -> [T, D]."""
         logits = x.float() @ self.gate.weight.float().t()
-        forced = bias = None
-        if self.gate.tid2eid is not None:
-            forced = self.gate.tid2eid[token_ids.long()]
-        else:
-            bias = self.gate.bias
-            if self.gate.bias_vl is not None:
-                is_image = (token_ids >= self.image_token_id) & (token_ids < self.image_token_id + IMAGE_TOKEN_SPAN)
-                bias = torch.where(is_image.unsqueeze(-1), self.gate.bias_vl, self.gate.bias)
-        ids, weights = ops.sqrtsoftplus_route(logits, bias, self.topk, self.route_scale, forced)
-        y = self.experts(x, ids, weights, self.limit)
+        y = self.experts(hidden_states=x, router_logits=logits, input_ids=token_ids)
         if self.shared_experts is not None:
             s = self.shared_experts
             act = None
@@ -98,3 +120,29 @@ class MoE(nn.Module):
                 act = functools.partial(quant.act_roundtrip, block=s.w1.act_block)
             y = y + ops.swiglu_clamped(x, s.w1.matmul, s.w3.matmul, s.w2.matmul, self.limit, act=act)
         return y
+
+
+class DeepseekMixtureOfExperts(MixtureOfExperts):
+    """vLLM's `MixtureOfExperts` protocol (EPLB: load statistics, redundant experts, rebalancing with weight
+    migration) over the fused-MoE layers of `moes`; `set_eplb_state` is the protocol's own."""
+
+    def collect_moe_layers(self, moes: list[MoE]) -> None:
+        self.moe_layers = [m.experts for m in moes]
+        self.num_moe_layers = len(self.moe_layers)
+        self.num_expert_groups = 1
+        self.expert_weights = []
+        first = self.moe_layers[0].routed_experts
+        self.num_logical_experts = self.num_routed_experts = moes[0].gate.weight.shape[0]
+        self.num_physical_experts = first.global_num_experts
+        self.num_local_physical_experts = first.local_num_experts
+        self.num_redundant_experts = self.num_physical_experts - self.num_logical_experts
+        self.num_shared_experts = 1 if moes[0].shared_experts is not None else 0
+
+    def update_physical_experts_metadata(self, num_physical_experts: int, num_local_physical_experts: int) -> None:
+        if num_local_physical_experts != self.num_local_physical_experts:
+            raise ValueError(f"EPLB: {num_local_physical_experts} local experts per rank, the model has "
+                             f"{self.num_local_physical_experts}")
+        self.num_physical_experts = num_physical_experts
+        self.num_redundant_experts = num_physical_experts - self.num_logical_experts
+        for layer in self.moe_layers:
+            layer.update_expert_map()

@@ -143,18 +143,17 @@ ENGRAM_DEVICE_ENV = "DEEPINFER_ENGRAM_DEVICE"
 
 
 def parse_storage(env: str, value: str | None) -> str:
-    """A weight-storage setting (`DEEPINFER_FP8_LINEARS`, `DEEPINFER_EXPERT_STORAGE`) -> 'packed' or 'bf16'.
+    """A weight-storage setting (`DEEPINFER_FP8_LINEARS`, `DEEPINFER_EXPERT_STORAGE`) -> 'auto', 'packed' or 'bf16'.
 
-    `packed` keeps the checkpoint codes (E4M3 + E8M0 linears, MXFP4 experts) and multiplies through
-    `linear_fp8_block` / `routed_experts_packed` (off CUDA: their torch references, for tests); `bf16`
-    dequantises at load. `auto` (default; also unset or an off value) is the storage measured fastest on
-    the H200, bf16 today: the weight-only Triton kernels read 2-4x fewer bytes but ran at 0.1-0.8x
-    (FP8 linears) and 0.7-1.1x (MXFP4 experts) of the bf16 torch path at decode sizes
-    (benchmarks/results/kernels/2026-11-30-packed/), so packing saves memory, not time, for now.
+    `packed` keeps the checkpoint codes (E4M3 + E8M0 linears, MXFP4 experts); `bf16` dequantises at load
+    (to the model dtype); `auto` (default; also unset or an off value) is the storage measured fastest on
+    the H200, resolved per setting: FP8 linears `bf16` (`packed_storage`: the weight-only FP8 Triton GEMM
+    ran at 0.1-0.8x of bf16 torch at decode sizes, benchmarks/results/kernels/2026-11-30-packed/); routed
+    experts `packed` on CUDA through vLLM's MXFP4 fused-MoE method (`moe.method.expert_storage`).
     """
     v = (value or "").strip().lower()
     if v in ("", "auto", "0", "off", "false", "no", "none"):
-        return "bf16"
+        return "auto"
     if v not in ("packed", "bf16"):
         raise ValueError(f"{env}={value!r}: expected auto, packed or bf16")
     return v
@@ -174,7 +173,7 @@ def parse_engram_device(value: str | None, device_type: str) -> str:
 
 
 def packed_storage(env: str) -> bool:
-    """Whether the weights governed by setting `env` keep their packed checkpoint codes (read at model build)."""
+    """Whether the FP8 block linears keep their packed checkpoint codes (`auto` = bf16; read at model build)."""
     return parse_storage(env, os.environ.get(env)) == "packed"
 
 

@@ -175,14 +175,15 @@ def sqrtsoftplus_route(logits: torch.Tensor, bias: torch.Tensor | None, topk: in
                        forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Router of model-spec §3.8. logits: [T, E] fp32; bias: [E] or [T, E]; forced: [T, K] (hash layers).
 
-    Returns (expert ids [T, K] int64, weights [T, K] fp32): selection on score + bias, weights are the
+    Returns (expert ids [T, K] int64, weights [T, K] fp32): selection on score + bias in descending order,
+    ties to the lower expert id (stable sort; torch.topk leaves tie order unspecified); weights are the
     unbiased scores renormalised to sum to `scale`.
     """
     scores = torch.sqrt(F.softplus(logits.float()))
     if forced is not None:
         ids = forced.long()
     else:
-        ids = torch.topk(scores + bias.float(), topk, dim=-1, sorted=True).indices
+        ids = torch.sort(scores + bias.float(), dim=-1, descending=True, stable=True).indices[:, :topk]
     picked = scores.gather(-1, ids)
     return ids, scale * picked / (picked.sum(-1, keepdim=True) + 1e-20)
 
