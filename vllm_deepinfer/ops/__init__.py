@@ -13,6 +13,7 @@ everywhere (read at import).
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import torch
@@ -30,36 +31,28 @@ from vllm_deepinfer.ops.reference import (  # noqa: F401  (reference-only ops)
 )
 
 KERNELS = os.environ.get("VLLM_DEEPINFER_KERNELS", "auto").lower()
-_NV = None  # False once known unavailable, else the kernels_nvidia.ops module
-_ASC = None  # likewise for kernels_ascend.ops
+_BACKENDS: dict[str, object] = {}  # package name -> its ops module, or False once known unavailable
+
+
+def _backend(x: torch.Tensor, device_type: str, package: str):
+    """`package`.ops (kernels_nvidia / kernels_ascend) for tensors on `device_type` when usable, else None."""
+    if x.device.type != device_type or KERNELS == "reference":
+        return None
+    if package not in _BACKENDS:
+        try:
+            mod = importlib.import_module(package)
+            _BACKENDS[package] = mod.load_ops() if mod.available() else False
+        except ImportError:
+            _BACKENDS[package] = False
+    return _BACKENDS[package] or None
 
 
 def _nvidia(x: torch.Tensor):
-    """kernels_nvidia.ops for CUDA tensors when usable, else None."""
-    global _NV
-    if not x.is_cuda or KERNELS == "reference":
-        return None
-    if _NV is None:
-        try:
-            import kernels_nvidia
-            _NV = kernels_nvidia.load_ops() if kernels_nvidia.available() else False
-        except ImportError:
-            _NV = False
-    return _NV or None
+    return _backend(x, "cuda", "kernels_nvidia")
 
 
 def _ascend(x: torch.Tensor):
-    """kernels_ascend.ops for NPU tensors when usable, else None."""
-    global _ASC
-    if x.device.type != "npu" or KERNELS == "reference":
-        return None
-    if _ASC is None:
-        try:
-            import kernels_ascend
-            _ASC = kernels_ascend.load_ops() if kernels_ascend.available() else False
-        except ImportError:
-            _ASC = False
-    return _ASC or None
+    return _backend(x, "npu", "kernels_ascend")
 
 
 def _device_ops(x: torch.Tensor):
@@ -140,6 +133,7 @@ def routed_experts_packed(x, ids, weights, w13, w13_scale, w2, w2_scale, limit, 
 FP8_LINEARS_ENV = "DEEPINFER_FP8_LINEARS"
 EXPERT_STORAGE_ENV = "DEEPINFER_EXPERT_STORAGE"
 ENGRAM_DEVICE_ENV = "DEEPINFER_ENGRAM_DEVICE"
+_AUTO = ("", "auto", "0", "off", "false", "no", "none")  # values that mean `auto` for the settings below
 
 
 def parse_storage(env: str, value: str | None) -> str:
@@ -152,7 +146,7 @@ def parse_storage(env: str, value: str | None) -> str:
     experts `packed` on CUDA through vLLM's MXFP4 fused-MoE method (`moe.method.expert_storage`).
     """
     v = (value or "").strip().lower()
-    if v in ("", "auto", "0", "off", "false", "no", "none"):
+    if v in _AUTO:
         return "auto"
     if v not in ("packed", "bf16"):
         raise ValueError(f"{env}={value!r}: expected auto, packed or bf16")
@@ -163,7 +157,7 @@ def parse_engram_device(value: str | None, device_type: str) -> str:
     """`DEEPINFER_ENGRAM_DEVICE` -> 'host' or 'gpu'. `auto` (default; also unset or an off value): host
     memory on CUDA, device memory elsewhere (off CUDA both are the same memory)."""
     v = (value or "").strip().lower()
-    if v in ("", "auto", "0", "off", "false", "no", "none"):
+    if v in _AUTO:
         return "host" if device_type == "cuda" else "gpu"
     if v in ("host", "cpu"):
         return "host"
