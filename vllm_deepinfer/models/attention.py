@@ -42,6 +42,7 @@ class Attention(nn.Module):
         tp = self.wq_b.tp_size
         # this rank's query heads and wo_a groups (ArchConfig.check_tensor_parallel guarantees divisibility)
         self.n_heads, self.head_dim, self.groups = h // tp, d, arch.o_groups // tp
+        self.wo_a.groups = self.groups
         self.window, self.eps, self.scale = arch.window, arch.rms_norm_eps, arch.softmax_scale
         self.per_head_q_norm = arch.family == V4  # V4.1: "qr is normed before wq_b" (spec §7 Q6)
         self.attn_sink = head_sharded(_param(h // tp, dtype=torch.float32))
@@ -100,7 +101,7 @@ class Attention(nn.Module):
         else:
             out = ops.apply_rope(out, cos, sin, inverse=True)
         # z = grouped wo_a product; wo_b as a Linear (parity: its W8A8 input quantiser runs on z)
-        return self.wo_b(self.wo_a.matmul(out.flatten(1), self.groups))
+        return self.wo_b(self.wo_a.matmul(out.flatten(1)))
 
     def _compress(self, x: torch.Tensor, batch: StepBatch) -> None:
         """Pool the groups closed in this step into compressed rows (and V4.1 index keys)."""

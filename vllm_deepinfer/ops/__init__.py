@@ -140,10 +140,10 @@ def parse_storage(env: str, value: str | None) -> str:
     """A weight-storage setting (`DEEPINFER_FP8_LINEARS`, `DEEPINFER_EXPERT_STORAGE`) -> 'auto', 'packed' or 'bf16'.
 
     `packed` keeps the checkpoint codes (E4M3 + E8M0 linears, MXFP4 experts); `bf16` dequantises at load
-    (to the model dtype); `auto` (default; also unset or an off value) is the storage measured fastest on
-    the H200, resolved per setting: FP8 linears `bf16` (`packed_storage`: the weight-only FP8 Triton GEMM
-    ran at 0.1-0.8x of bf16 torch at decode sizes, benchmarks/results/kernels/2026-11-30-packed/); routed
-    experts `packed` on CUDA through vLLM's MXFP4 fused-MoE method (`moe.method.expert_storage`).
+    (to the model dtype); `auto` (default; also unset or an off value) is resolved per setting: FP8 linears
+    `packed` on CUDA (`packed_storage`: vLLM's Marlin W8A16 GEMM, `ops.marlin`, the kernel vLLM's in-tree
+    V4.1 runs on SM90) and `bf16` elsewhere; routed experts `packed` on CUDA through vLLM's MXFP4 fused-MoE
+    method (`moe.method.expert_storage`).
     """
     v = (value or "").strip().lower()
     if v in _AUTO:
@@ -166,9 +166,11 @@ def parse_engram_device(value: str | None, device_type: str) -> str:
     raise ValueError(f"{ENGRAM_DEVICE_ENV}={value!r} is unknown; accepted: host, gpu, auto")
 
 
-def packed_storage(env: str) -> bool:
-    """Whether the FP8 block linears keep their packed checkpoint codes (`auto` = bf16; read at model build)."""
-    return parse_storage(env, os.environ.get(env)) == "packed"
+def packed_storage(env: str, device_type: str) -> bool:
+    """Whether the FP8 block linears on `device_type` keep their packed checkpoint codes (`auto`: packed on
+    CUDA, bf16 elsewhere; read at model build)."""
+    storage = parse_storage(env, os.environ.get(env))
+    return storage == "packed" or (storage == "auto" and device_type == "cuda")
 
 
 for _f in (sparse_attention, sparse_attention_indexed, sparse_attention_gathered, softmax_pool, indexer_scores,
