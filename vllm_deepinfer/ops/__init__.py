@@ -13,6 +13,7 @@ everywhere (read at import).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 
@@ -66,7 +67,8 @@ def backend_for(x: torch.Tensor) -> str:
     return "kernels_ascend" if _ascend(x) is not None else "reference"
 
 
-def _dispatch(name: str, x: torch.Tensor, *args, **kwargs):
+def _dispatch(name: str, x: torch.Tensor, *args, fallback=None, **kwargs):
+    """The device kernel `name` for `x`'s device, else `fallback` (default: the reference op)."""
     dev = _device_ops(x)
     if dev is not None:
         fn = getattr(dev, name, None)
@@ -75,7 +77,7 @@ def _dispatch(name: str, x: torch.Tensor, *args, **kwargs):
                 return fn(*args, **kwargs)
             except NotImplementedError:
                 pass
-    return getattr(reference, name)(*args, **kwargs)
+    return (fallback or getattr(reference, name))(*args, **kwargs)
 
 
 def sparse_attention(q, keys, allowed, sink, scale):
@@ -92,6 +94,18 @@ def sparse_attention_gathered(q, keys, valid, sink, scale):
 
 def indexer_scores_gathered(q, weights, keys):
     return _dispatch("indexer_scores_gathered", q, q, weights, keys)
+
+
+def sparse_attention_paged(q, kv_a, idx_a, kv_b, idx_b, sink, scale):
+    # without a paged kernel: gather the rows, then the device's (or the reference) gathered attention
+    return _dispatch("sparse_attention_paged", q, q, kv_a, idx_a, kv_b, idx_b, sink, scale,
+                     fallback=functools.partial(reference.sparse_attention_paged, attend=sparse_attention_gathered))
+
+
+def indexer_scores_paged(q, weights, keys, block_table, n_valid, n_rows, rows_per_block):
+    # without a paged kernel: gather the keys, then the device's (or the reference) gathered scores
+    return _dispatch("indexer_scores_paged", q, q, weights, keys, block_table, n_valid, n_rows, rows_per_block,
+                     fallback=functools.partial(reference.indexer_scores_paged, score=indexer_scores_gathered))
 
 
 def softmax_pool(values, logits):
@@ -173,8 +187,8 @@ def packed_storage(env: str, device_type: str) -> bool:
     return storage == "packed" or (storage == "auto" and device_type == "cuda")
 
 
-for _f in (sparse_attention, sparse_attention_indexed, sparse_attention_gathered, softmax_pool, indexer_scores,
-           indexer_scores_gathered, topk_rows, linear_fp8_block,
+for _f in (sparse_attention, sparse_attention_indexed, sparse_attention_gathered, sparse_attention_paged,
+           softmax_pool, indexer_scores, indexer_scores_gathered, indexer_scores_paged, topk_rows, linear_fp8_block,
            hc_coefficients, hc_collapse, hc_expand, routed_experts, routed_experts_packed):
     _f.__doc__ = getattr(reference, _f.__name__).__doc__
 del _f
