@@ -177,15 +177,17 @@ ours_bench() {  # BUDGET_S
   echo "ours bench done t=$((SECONDS - t0)) s"
 }
 
-compact_bench() {  # BUDGET_S: both sides of the protocol in one call (ours, then in-tree; half the budget each)
+compact_bench() {  # BUDGET_S: both sides of the protocol in one call (ours with 2/5 of it, then in-tree with the rest)
   local budget=$1 t0=$SECONDS
   vllm_env
-  local left=$((budget - 20))
+  local C="$BENCH --reps 1 --warmup 1 --decode-tokens 48 --gpu-mem 0.9"
   # PROFILE=B: also the per-op kernel profile of ours (one prefill call, decode per step at batch B)
-  $BENCH --reps 1 --warmup 1 --decode-tokens 48 --gpu-mem 0.9 --timeout $((left / 2)) \
-    ${PROFILE:+--profile --profile-batch $PROFILE --profile-top 40} > "$OUT/bench_compact.out" 2>&1
+  $C --only ours --timeout $((budget * 2 / 5)) ${PROFILE:+--profile --profile-batch $PROFILE --profile-top 40} \
+    > "$OUT/bench_compact.out" 2>&1
+  $C --only intree --timeout $((budget - (SECONDS - t0) - 25)) >> "$OUT/bench_compact.out" 2>&1
+  python3 benchmarks/bench_e2e.py --report /tmp/bench_e2e >> "$OUT/bench_compact.out" 2>&1
   tar czf "$OUT/e2e.tgz" --exclude 'model-*' -C /tmp bench_e2e 2>/dev/null
-  tail -45 "$OUT/bench_compact.out"
+  grep -E "^\| |\[(ours|intree)\] (prefill|decode|engine)" "$OUT/bench_compact.out" | tail -30
   echo "compact bench done t=$((SECONDS - t0)) s"
 }
 
@@ -260,7 +262,8 @@ tp_session() {  # BUDGET_S, two GPUs: tensor_parallel_size 2 vs 1 (memorised-hea
 
 linears() {  # the FP8 block linears of one V4.1 layer: vLLM Marlin W8A16 vs our Triton GEMM vs bf16 (+ check)
   vllm_env
-  python3 benchmarks/bench_linears_vllm.py --json "$OUT/bench_linears.json" > "$OUT/bench_linears.log" 2>&1
+  python3 benchmarks/bench_linears_vllm.py --tokens 1,16,64,256 --json "$OUT/bench_linears.json" \
+    > "$OUT/bench_linears.log" 2>&1
   echo "linears bench rc=$?"; grep -E "^layer|correctness|Error" "$OUT/bench_linears.log" | tail -20
 }
 
