@@ -143,6 +143,40 @@ def test_sparse_attention_gathered(device, dtype):
     assert err < BOUND[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape,weighted", [((7, 5120), True), ((3, 16, 512), False), ((0, 64), True),
+                                            ((5, 1280), True)])
+def test_rms_norm(device, dtype, shape, weighted):
+    from kernels_nvidia import ops as kn
+    _seed()
+    x = (torch.randn(*shape, device=device) * 3).to(dtype)
+    w = torch.randn(shape[-1], device=device) if weighted else None
+    out = kn.rms_norm(x, w, 1e-6)
+    want = ref.rms_norm(x.cpu(), None if w is None else w.cpu(), 1e-6)
+    assert out.dtype == dtype and out.shape == x.shape
+    err = _rel(out, want) if x.numel() else 0.0
+    print(f"rms_norm {shape} {dtype}: rel err {err:.2e}")
+    assert err < BOUND[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape,half", [((9, 4, 512), 32), ((9, 512), 32), ((6, 32, 128), 32), ((5, 64), 32)])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_apply_rope(device, dtype, shape, half, inverse):
+    from kernels_nvidia import ops as kn
+    _seed()
+    x = torch.randn(*shape, device=device).to(dtype)
+    ang = torch.rand(shape[0], half, device=device) * 100
+    cos, sin = ang.cos(), ang.sin()
+    out = kn.apply_rope(x, cos, sin, inverse)
+    want = ref.apply_rope(x.cpu(), cos.cpu(), sin.cpu(), inverse)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert torch.equal(out[..., : shape[-1] - 2 * half].cpu(), x[..., : shape[-1] - 2 * half].cpu())  # copied part
+    err = _rel(out, want)
+    print(f"apply_rope {shape} inverse={inverse} {dtype}: rel err {err:.2e}")
+    assert err < BOUND[dtype]
+
+
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sparse_attention_paged(device, dtype, split, monkeypatch):

@@ -21,11 +21,9 @@ import torch
 
 from vllm_deepinfer.ops import reference
 from vllm_deepinfer.ops.reference import (  # noqa: F401  (reference-only ops)
-    apply_rope,
     grouped_low_rank,
     hc_head_weights,
     linear,
-    rms_norm,
     rope_cos_sin,
     sqrtsoftplus_route,
     swiglu_clamped,
@@ -78,6 +76,14 @@ def _dispatch(name: str, x: torch.Tensor, *args, fallback=None, **kwargs):
             except NotImplementedError:
                 pass
     return (fallback or getattr(reference, name))(*args, **kwargs)
+
+
+def rms_norm(x, weight, eps):
+    return _dispatch("rms_norm", x, x, weight, eps)
+
+
+def apply_rope(x, cos, sin, inverse=False):
+    return _dispatch("apply_rope", x, x, cos, sin, inverse)
 
 
 def sparse_attention(q, keys, allowed, sink, scale):
@@ -187,7 +193,7 @@ def packed_storage(env: str, device_type: str) -> bool:
     return storage == "packed" or (storage == "auto" and device_type == "cuda")
 
 
-for _f in (sparse_attention, sparse_attention_indexed, sparse_attention_gathered, sparse_attention_paged,
+for _f in (rms_norm, apply_rope, sparse_attention, sparse_attention_indexed, sparse_attention_gathered, sparse_attention_paged,
            softmax_pool, indexer_scores, indexer_scores_gathered, indexer_scores_paged, topk_rows, linear_fp8_block,
            hc_coefficients, hc_collapse, hc_expand, routed_experts, routed_experts_packed):
     _f.__doc__ = getattr(reference, _f.__name__).__doc__

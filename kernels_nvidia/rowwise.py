@@ -1,0 +1,78 @@
+"""Row-wise ops, RMSNorm and interleaved RoPE, as single Triton kernels (the oracle's formulas, fp32 math).
+
+* `rms_norm(x, weight, eps)`: y = x / sqrt(mean(x^2) + eps) * weight per row, one program per row (the
+  oracle runs five kernels: cast, square, mean, rsqrt, products).
+* `apply_rope(x, cos, sin, inverse)`: the GPT-J rotation of the last 2 * cos.shape[-1] dims, the rest of
+  each row copied, one program per (token, middle index) (the oracle: slices, casts, four products, a
+  stack and a cat).
+
+Each row is computed by one program in a fixed order, independent of the batch (batch-invariant).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(X, W, Y, N, sx, sy, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(X + r * sx + offs, mask=mask, other=0.0).to(tl.float32)
+    y = x * tl.rsqrt(tl.sum(x * x, 0) / N + eps)
+    if HAS_W:
+        y = y * tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + r * sy + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x: [..., n]; weight: [n] or None -> x.dtype, the same shape."""
+    n = x.shape[-1]
+    rows = x.reshape(-1, n)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    y = torch.empty((rows.shape[0], n), dtype=x.dtype, device=x.device)
+    if rows.shape[0]:
+        block = triton.next_power_of_2(n)
+        _rms_norm_kernel[(rows.shape[0],)](rows, rows if weight is None else weight.contiguous(), y, n,
+                                           rows.stride(0), y.stride(0), float(eps), HAS_W=weight is not None,
+                                           BLOCK=block, num_warps=min(16, max(1, block // 256)))
+    return y.view(x.shape)
+
+
+@triton.jit
+def _rope_kernel(X, C, S, Y, M, NOPE, sx_t, sx_m, sc_t, sy_t, sy_m, SIGN: tl.constexpr,
+                 BLOCK_N: tl.constexpr, HALF: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    m = tl.program_id(1).to(tl.int64)
+    x_row, y_row = X + t * sx_t + m * sx_m, Y + t * sy_t + m * sy_m
+    for n0 in range(0, NOPE, BLOCK_N):  # the part without rotation: a copy
+        offs = n0 + tl.arange(0, BLOCK_N)
+        tl.store(y_row + offs, tl.load(x_row + offs, mask=offs < NOPE), mask=offs < NOPE)
+    i = tl.arange(0, HALF)
+    a = tl.load(x_row + NOPE + 2 * i).to(tl.float32)
+    b = tl.load(x_row + NOPE + 2 * i + 1).to(tl.float32)
+    c = tl.load(C + t * sc_t + i)
+    s = tl.load(S + t * sc_t + i) * SIGN
+    tl.store(y_row + NOPE + 2 * i, (a * c - b * s).to(Y.dtype.element_ty))
+    tl.store(y_row + NOPE + 2 * i + 1, (b * c + a * s).to(Y.dtype.element_ty))
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """x: [N, ..., n]; cos/sin: [N, r/2] fp32 (r/2 a power of two) -> x.dtype, the same shape."""
+    half, n = cos.shape[-1], x.shape[-1]
+    if half & (half - 1) or 2 * half > n or cos.shape[0] != x.shape[0]:
+        raise NotImplementedError(f"rotary half width {half} must be a power of two <= {n // 2}, one row per token")
+    rows = x.reshape(x.shape[0], -1, n)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    y = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    if rows.numel():
+        _rope_kernel[(rows.shape[0], rows.shape[1])](
+            rows, cos, sin, y, rows.shape[1], n - 2 * half, rows.stride(0), rows.stride(1), cos.stride(0),
+            y.stride(0), y.stride(1), SIGN=-1.0 if inverse else 1.0, BLOCK_N=256, HALF=half, num_warps=2)
+    return y.view(x.shape)
