@@ -323,5 +323,5 @@ case "$mode" in
   serve-ours|serve-intree) serve_bench "${mode#serve-}" "${2:-560}" ;;
   cold-ours|cold-intree) cold_bench "${mode#cold-}" "${2:-560}" ;;
   sweep-ours|sweep-intree) sweep_bench "${mode#sweep-}" "${2:-560}" ;;
-  *) echo "usage: $0 kernels|stage DIR|vllm|ours-bench|intree-bench|memo|fw|engram|tp|compact|serve-SIDE|cold-SIDE|sweep-SIDE BUDGET_S|jit-save [FIRST]" >&2; exit 2 ;;
+  *) echo "usage: $0 kernels|stage DIR|vllm|ours-bench|intree-bench|memo|fw|engram|tp|dpep|compact|serve-SIDE|cold-SIDE|sweep-SIDE BUDGET_S|par-bench tp|dpep BUDGET_S|jit-save [FIRST]" >&2; exit 2 ;;
 esac

@@ -81,9 +81,10 @@ def test_dp2_ep2_serve_matches_one_process(ckpt_root, tmp_path, arch):
 def test_offline_llm_data_parallel_refused(ckpt_root):
     from vllm import LLM
 
-    with pytest.raises(ValueError, match=re.escape(
-            "LLM(data_parallel_size=2) is not supported for single-process usage and may hang. Please use the "
-            "explicit multi-process data-parallel example at 'examples/features/data_parallel/data_parallel_offline.py'.")):
+    refusal = ("LLM(data_parallel_size=2) is not supported for single-process usage and may hang. Please use the "
+               "explicit multi-process data-parallel example at "
+               "'examples/features/data_parallel/data_parallel_offline.py'.")
+    with pytest.raises(ValueError, match=re.escape(refusal)):
         LLM(model=str(tiny_checkpoint(ckpt_root, "v4.1-flash")), data_parallel_size=2)
 
 
