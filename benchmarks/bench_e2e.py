@@ -138,8 +138,11 @@ def planner_lines(model: Path, a) -> list[str]:
     """The memory planner's numbers for ours on this model dir (storage from --storage)."""
     from vllm_deepinfer.tools import plan
 
-    packed = "packed" if a.storage == "packed" else "bf16"
-    args = ["--model-config", str(model), "--fp8-linears", packed, "--experts", packed, "--engram", "gpu",
+    import torch
+
+    packed = "packed" if a.storage in ("packed", "auto") else "bf16"
+    linears = "marlin" if packed == "packed" and torch.cuda.is_available() else packed  # CUDA: Marlin's layout
+    args = ["--model-config", str(model), "--fp8-linears", linears, "--experts", packed, "--engram", "gpu",
             "--dtype", a.dtype, "--max-model-len", str(a.max_model_len), "--batch", "1",
             "--max-num-batched-tokens", str(a.token_budget)]
     kv = a.kv_gib or float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or 0)  # CPU: vLLM's KV space in GiB

@@ -2,6 +2,7 @@
 # One device call of the Hopper work (issue 3). Run from the repository root on the GPU host:
 #
 #   bash benchmarks/gpu_session.sh kernels          # host torch/triton: kernel tests + microbenchmarks
+#   bash benchmarks/gpu_session.sh linears          # after READY: FP8 linears, vLLM Marlin vs Triton vs bf16
 #   bash benchmarks/gpu_session.sh stage DIR        # one vLLM 0.32 chunk (../shared/gpu/receive.sh), see NOTES-gpu.md
 #   bash benchmarks/gpu_session.sh vllm BUDGET_S    # after READY: plugin wheel + tiny-gpu checkpoints, then
 #       in-tree full-width benchmark (foreground) || the plugin's fidelity runs with CUDA graphs (background)
@@ -182,13 +183,17 @@ ours_bench() {  # BUDGET_S
   echo "ours bench done t=$((SECONDS - t0)) s"
 }
 
-compact_bench() {  # BUDGET_S: both sides of the protocol in one call (ours, then in-tree; half the budget each)
+compact_bench() {  # BUDGET_S: both sides of the protocol in one call (ours with 2/5 of it, then in-tree with the rest)
   local budget=$1 t0=$SECONDS
   vllm_env
-  local left=$((budget - 20))
-  $BENCH --reps 1 --warmup 1 --decode-tokens 48 --gpu-mem 0.9 --timeout $((left / 2)) > "$OUT/bench_compact.out" 2>&1
+  local C="$BENCH --reps 1 --warmup 1 --decode-tokens 48 --gpu-mem 0.9"
+  # PROFILE=B: also the per-op kernel profile of ours (one prefill call, decode per step at batch B)
+  $C --only ours --timeout $((budget * 2 / 5)) ${PROFILE:+--profile --profile-batch $PROFILE --profile-top 40} \
+    > "$OUT/bench_compact.out" 2>&1
+  $C --only intree --timeout $((budget - (SECONDS - t0) - 25)) >> "$OUT/bench_compact.out" 2>&1
+  python3 benchmarks/bench_e2e.py --report /tmp/bench_e2e >> "$OUT/bench_compact.out" 2>&1
   tar czf "$OUT/e2e.tgz" --exclude 'model-*' -C /tmp bench_e2e 2>/dev/null
-  tail -45 "$OUT/bench_compact.out"
+  grep -E "^\| |\[(ours|intree)\] (prefill|decode|engine)" "$OUT/bench_compact.out" | tail -30
   echo "compact bench done t=$((SECONDS - t0)) s"
 }
 
@@ -306,8 +311,16 @@ par_bench() {  # PAR (dpep | tp) BUDGET_S: served throughput of in-tree then our
   echo "par-bench $par done t=$((SECONDS - t0)) s"
 }
 
+linears() {  # the FP8 block linears of one V4.1 layer: vLLM Marlin W8A16 vs our Triton GEMM vs bf16 (+ check)
+  vllm_env
+  python3 benchmarks/bench_linears_vllm.py --tokens 1,16,64,256 --json "$OUT/bench_linears.json" \
+    > "$OUT/bench_linears.log" 2>&1
+  echo "linears bench rc=$?"; grep -E "^layer|correctness|Error" "$OUT/bench_linears.log" | tail -20
+}
+
 case "$mode" in
   kernels) kernels ;;
+  linears) linears ;;
   stage) bash "$REPO/shared/gpu/receive.sh" "$2" ;;
   vllm) vllm_session "${2:-560}" ;;
   ours-bench) ours_bench "${2:-560}" ;;
@@ -323,5 +336,5 @@ case "$mode" in
   serve-ours|serve-intree) serve_bench "${mode#serve-}" "${2:-560}" ;;
   cold-ours|cold-intree) cold_bench "${mode#cold-}" "${2:-560}" ;;
   sweep-ours|sweep-intree) sweep_bench "${mode#sweep-}" "${2:-560}" ;;
-  *) echo "usage: $0 kernels|stage DIR|vllm|ours-bench|intree-bench|memo|fw|engram|tp|dpep|compact|serve-SIDE|cold-SIDE|sweep-SIDE BUDGET_S|par-bench tp|dpep BUDGET_S|jit-save [FIRST]" >&2; exit 2 ;;
+  *) echo "usage: $0 kernels|linears|stage DIR|vllm|ours-bench|intree-bench|memo|fw|engram|tp|dpep|compact|serve-SIDE|cold-SIDE|sweep-SIDE BUDGET_S|par-bench tp|dpep BUDGET_S|jit-save [FIRST]" >&2; exit 2 ;;
 esac

@@ -8,6 +8,8 @@ Two entry points with the oracle's semantics (model-spec §3.4):
 * `sparse_attention_indexed(q, kv, idx, sink, scale)`: queries [T, H, d] over rows `kv[idx[t, j]]`
   (idx [T, K] int32, -1 = none): the gather form for the cache-level path (window rows plus
   top-k compressed rows per token, FlashMLA-sparse style), where every token has its own key set.
+* `sparse_attention_paged(q, kv_a, idx_a, kv_b, idx_b, sink, scale)`: the same over rows of two buffers
+  (decode: the window cache's slots, then the compressed cache's), read in place with no gathered copy.
 
 One program handles one token and a fixed block of BH heads; it walks its keys in fixed BN blocks in
 order, with an online softmax that starts from the sink (a virtual key of logit sink_h and value 0).
@@ -64,11 +66,14 @@ def _sparse_attn_dense_kernel(Q, K, MASK, SINK, O, N, H, scale,
 
 
 @triton.jit
-def _sparse_attn_indexed_kernel(Q, KV, IDX, SINK, O, PO, PML, KSEL, H, scale,
-                                sq_t, sq_h, skv_n, si_t, so_t, so_h, NSPLIT,
+def _sparse_attn_indexed_kernel(Q, KV, IDX, KV2, IDX2, SINK, O, PO, PML, KSEL, KSEL2, H, scale,
+                                sq_t, sq_h, skv_n, si_t, skv2_n, si2_t, so_t, so_h, NSPLIT,
                                 D: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
                                 PARTIAL: tl.constexpr, IEEE: tl.constexpr):
-    """One token x BH heads x one range of SPLIT keys (PARTIAL: unnormalised partials, no sink)."""
+    """One token x BH heads x one range of SPLIT keys (PARTIAL: unnormalised partials, no sink).
+
+    The token's keys are rows KV[IDX[t, :KSEL]] followed by rows KV2[IDX2[t, :KSEL2]] (KSEL2 = 0: one
+    source); -1 ids are skipped."""
     t = tl.program_id(0)
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
     sp = tl.program_id(2)
@@ -84,10 +89,14 @@ def _sparse_attn_indexed_kernel(Q, KV, IDX, SINK, O, PO, PML, KSEL, H, scale,
     acc = tl.zeros([BH, D], tl.float32)
     for n0 in range(0, SPLIT, BN):
         offs_n = sp * SPLIT + n0 + tl.arange(0, BN)
-        idx = tl.load(IDX + t * si_t + offs_n, mask=offs_n < KSEL, other=-1)
+        first = offs_n < KSEL
+        idx = tl.where(first, tl.load(IDX + t * si_t + offs_n, mask=first, other=-1),
+                       tl.load(IDX2 + t * si2_t + (offs_n - KSEL), mask=~first & (offs_n < KSEL + KSEL2), other=-1))
         valid = idx >= 0
         rows = tl.where(valid, idx, 0).to(tl.int64)
-        k = tl.load(KV + rows[:, None] * skv_n + offs_d[None, :], mask=valid[:, None], other=0.0)
+        ptrs = tl.where(first[:, None], KV + rows[:, None] * skv_n + offs_d[None, :],
+                        KV2 + rows[:, None] * skv2_n + offs_d[None, :])
+        k = tl.load(ptrs, mask=valid[:, None], other=0.0)
         m_i, l_i, acc = _attn_block(q, k, valid, m_i, l_i, acc, scale, IEEE)
     if PARTIAL:
         base = (t * NSPLIT + sp) * H + offs_h
@@ -208,18 +217,30 @@ def sparse_attention(q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor,
 def sparse_attention_indexed(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
                              scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, H, d]; kv: [R, d] (K = V rows); idx: [T, K] distinct row ids (-1 = none); sink: [H] -> [T, H, d]."""
+    return sparse_attention_paged(q, kv, idx, kv, idx[:, :0], sink, scale, out=out)
+
+
+def _rows(kv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    kv = kv.to(dtype)
+    return kv if kv.stride(-1) == 1 else kv.contiguous()
+
+
+def sparse_attention_paged(q: torch.Tensor, kv_a: torch.Tensor, idx_a: torch.Tensor, kv_b: torch.Tensor,
+                           idx_b: torch.Tensor, sink: torch.Tensor, scale: float,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [T, H, d]; query t's keys are rows kv_a[idx_a[t]] then kv_b[idx_b[t]] (kv_*: [R_*, d] row buffers,
+    e.g. two paged caches; idx_*: [T, K_*] row ids, -1 = none) -> [T, H, d]. Nothing is gathered."""
     t, h, d = q.shape
     _check(q, d)
-    kv = kv.to(q.dtype)
-    if kv.stride(-1) != 1:
-        kv = kv.contiguous()
-    idx = idx.to(torch.int32).contiguous()
+    kv_a, kv_b = _rows(kv_a, q.dtype), _rows(kv_b, q.dtype)
+    idx, idx2 = idx_a.to(torch.int32).contiguous(), idx_b.to(torch.int32).contiguous()
     sink = sink.float().contiguous()
     out = torch.empty_like(q) if out is None else out
     if t == 0:
         return out
     bh, bn, warps = _tiles(h, d, q.dtype)
-    ksel = idx.shape[1]
+    ka, kb = idx.shape[1], idx2.shape[1]
+    ksel = ka + kb
     split = SPLIT
     if split is None:  # split only while the unsplit grid would fill under a quarter of the SMs
         split = (not BATCH_INVARIANT and q.is_cuda and ksel > SPLIT_KEYS
@@ -230,8 +251,9 @@ def sparse_attention_indexed(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tenso
     hb = triton.cdiv(h, bh)
     if not split:
         _sparse_attn_indexed_kernel[(t, hb, 1)](
-            q, kv, idx, sink, out, out, out, ksel, h, float(scale),
-            q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), out.stride(0), out.stride(1), 1,
+            q, kv_a, idx, kv_b, idx2, sink, out, out, out, ka, kb, h, float(scale),
+            q.stride(0), q.stride(1), kv_a.stride(0), idx.stride(0), kv_b.stride(0), max(idx2.stride(0), 1),
+            out.stride(0), out.stride(1), 1,
             D=d, BH=bh, BN=bn, SPLIT=triton.cdiv(ksel, bn) * bn, PARTIAL=False, IEEE=ieee,
             num_warps=warps, num_stages=2)
         return out
@@ -240,8 +262,9 @@ def sparse_attention_indexed(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tenso
     po = torch.empty(t, ns, h, d, dtype=torch.float32, device=q.device)
     pml = torch.empty(t, ns, h, 2, dtype=torch.float32, device=q.device)
     _sparse_attn_indexed_kernel[(t, hb, ns)](
-        q, kv, idx, sink, out, po, pml, ksel, h, float(scale),
-        q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), out.stride(0), out.stride(1), ns,
+        q, kv_a, idx, kv_b, idx2, sink, out, po, pml, ka, kb, h, float(scale),
+        q.stride(0), q.stride(1), kv_a.stride(0), idx.stride(0), kv_b.stride(0), max(idx2.stride(0), 1),
+        out.stride(0), out.stride(1), ns,
         D=d, BH=bh, BN=bn, SPLIT=sk, PARTIAL=True, IEEE=ieee, num_warps=warps, num_stages=2)
     _combine_splits_kernel[(t, hb)](po, pml, sink, out, h, ns, out.stride(0), out.stride(1), D=d, BH=bh,
                                     num_warps=8)

@@ -3,6 +3,9 @@
 * `indexer_scores(q, weights, keys)`: I[t, i] = sum_h w[t, h] * relu(q[t, h] . k[i]) as one kernel:
   a program owns a fixed [BT tokens x BN keys] tile, loads its keys once and loops over the heads in
   order (fixed reduction order: batch-invariant; the tile never depends on T).
+* `indexer_scores_paged(q, weights, keys, block_table, n_valid, n_rows, rows_per_block)`: the decode form,
+  each token scoring its own request's rows straight from the paged key cache (no gathered copy), up to
+  its visible count only (work follows the context, not max_model_len).
 * `topk_rows_packed(scores, k)`: the oracle's stable descending order (ties -> lower index, -inf -> -1) via
   unique packed keys: the fp32 score is mapped to an order-preserving int32 and packed above the
   complemented column index into an int64, so `torch.topk` over distinct keys has exactly one answer
@@ -85,6 +88,59 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
 
 
 HEADS_AS_ROWS = True  # bf16: the heads-as-rows kernel (False: the token-tile kernel, for comparison)
+
+
+@triton.jit
+def _indexer_scores_paged_kernel(Q, W, K, BT, NV, OUT, NB, sq_t, sq_h, sw_t, sk_n, sbt_t, so_t,
+                                 RPB: tl.constexpr, HI: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
+                                 IEEE: tl.constexpr):
+    """Token t x rows n0..n0+BN of its paged key cache: row i lives at slot BT[t, i // RPB] * RPB + i % RPB.
+    Rows at or past NV[t] are -inf and read nothing (a block wholly past it does no work)."""
+    t = tl.program_id(0)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    nv = tl.load(NV + t)
+    valid = offs_n < nv
+    if tl.program_id(1) * BN < nv:
+        offs_h = tl.arange(0, HI)
+        offs_d = tl.arange(0, D)
+        col = tl.minimum(offs_n // RPB, NB - 1)
+        blk = tl.load(BT + t * sbt_t + col, mask=valid, other=0).to(tl.int64)
+        slot = blk * RPB + offs_n % RPB
+        k = tl.load(K + slot[:, None] * sk_n + offs_d[None, :], mask=valid[:, None], other=0.0)
+        q = tl.load(Q + t * sq_t + offs_h[:, None] * sq_h + offs_d[None, :])
+        w = tl.load(W + t * sw_t + offs_h).to(tl.float32)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        score = tl.sum(tl.maximum(s, 0.0) * w[:, None], 0)
+        tl.store(OUT + t * so_t + offs_n, tl.where(valid, score, float("-inf")))
+    else:
+        tl.store(OUT + t * so_t + offs_n, tl.full([BN], float("-inf"), tl.float32))
+
+
+def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, block_table: torch.Tensor,
+                         n_valid: torch.Tensor, n_rows: int, rows_per_block: int) -> torch.Tensor:
+    """q: [T, H_I, d_I]; weights: [T, H_I]; keys: [R, d_I] paged key rows; block_table: [T, NB] (token t's
+    request); n_valid: [T] -> [T, n_rows] fp32, row i of token t scored against keys[block_table[t, i //
+    rows_per_block] * rows_per_block + i % rows_per_block], -inf from n_valid[t] on. No host sync."""
+    t, hi, d = q.shape
+    if d & (d - 1) or d < 16 or hi & (hi - 1) or hi < 16:
+        raise NotImplementedError(f"index heads {hi} / head dim {d} must be powers of two >= 16")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    keys = keys.to(q.dtype)
+    keys = keys if keys.stride(-1) == 1 else keys.contiguous()
+    weights = weights.float().contiguous()
+    block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
+    n_valid = n_valid.to(torch.int32).contiguous()
+    bn = 32 if q.dtype == torch.float32 else 64
+    out = torch.empty(t, triton.cdiv(n_rows, bn) * bn, dtype=torch.float32, device=q.device)
+    if t and n_rows:
+        _indexer_scores_paged_kernel[(t, triton.cdiv(n_rows, bn))](
+            q, weights, keys, block_table, n_valid, out, block_table.shape[1], q.stride(0), q.stride(1),
+            weights.stride(0), keys.stride(0), block_table.stride(0), out.stride(0),
+            RPB=rows_per_block, HI=hi, D=d, BN=bn, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
+    return out[:, :n_rows]
 
 
 def _ordered_int(scores: torch.Tensor) -> torch.Tensor:

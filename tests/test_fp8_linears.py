@@ -9,7 +9,7 @@ import torch
 from tests.conftest import engine, tiny_checkpoint
 from vllm_deepinfer.checkpoint.formats import dequant_fp8_block, quant_fp8_block
 from vllm_deepinfer.models.layers import Linear
-from vllm_deepinfer.ops import quant
+from vllm_deepinfer.ops import marlin, quant
 
 
 def _pair(n: int, k: int, block: int, dtype: torch.dtype) -> tuple[Linear, Linear]:
@@ -32,13 +32,28 @@ def test_packed_linear_equals_dequantised(dtype):
     x = torch.randn(7, 128)
     assert packed.act_dtype == dtype and packed.weight.dtype == torch.float8_e4m3fn
     assert torch.equal(packed(x), plain(x))
-    groups = 4  # grouped wo_a: [G*R, K] rows, input [T, G*K]
-    xg = torch.randn(7, groups * 128, dtype=dtype)
-    assert torch.equal(packed.matmul(xg, groups), plain.matmul(xg, groups))
+    xg = torch.randn(7, 4 * 128, dtype=dtype)
+    plain.groups = packed.groups = 4  # grouped wo_a: [G*R, K] rows, input [T, G*K]
+    assert torch.equal(packed.matmul(xg), plain.matmul(xg))
+    plain.groups = packed.groups = 1
     for lin in (plain, packed):  # parity numerics: the activation round trip runs before the product
         lin.act_block = 32
     assert torch.equal(packed(x), plain(x))
     assert torch.equal(packed(x), quant.act_roundtrip(x.to(dtype), 32) @ plain.weight.t())
+
+
+@pytest.mark.parametrize("block,n,k", [(32, 96, 128), (128, 200, 384), (128, 64, 96)])
+def test_mx_scales_dequantise_exactly(block, n, k):
+    """The MXFP8 scales Marlin is fed (one byte per 1 x 32 group) dequantise to the block-FP8 weight bitwise,
+    partial edge blocks included; and Marlin is never chosen off CUDA or for fp32 activations."""
+    codes, scale = quant_fp8_block(torch.randn(n, k) * 3, block)
+    mx = marlin.mx_scales(scale.view(torch.uint8), (block, block), n, k)
+    assert mx.shape == (n, k // marlin.MX_GROUP) and mx.dtype == torch.uint8
+    per_group = dequant_fp8_block(codes, mx.view(torch.float8_e8m0fnu), (1, marlin.MX_GROUP))
+    assert torch.equal(per_group, dequant_fp8_block(codes, scale, block))
+    assert not marlin.supported(torch.device("cpu"), torch.bfloat16, k, (block, block))
+    with pytest.raises(NotImplementedError, match="multiples of 32"):
+        marlin.mx_scales(scale.view(torch.uint8), (block, block), n, k + 8)
 
 
 def test_tiny_checkpoint_packed_generates_the_same(ckpt_root, monkeypatch):

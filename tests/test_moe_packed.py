@@ -69,7 +69,9 @@ def test_storage_selection(monkeypatch):
     assert expert_storage("fp8") == "bf16"  # only MXFP4 experts pack
     monkeypatch.setenv(ops.EXPERT_STORAGE_ENV, "bf16")
     assert expert_storage("fp4") == "bf16"
-    assert not ops.packed_storage(ops.FP8_LINEARS_ENV)  # FP8 linears: auto stays bf16
+    monkeypatch.delenv(ops.FP8_LINEARS_ENV, raising=False)
+    assert not ops.packed_storage(ops.FP8_LINEARS_ENV, "cpu")  # FP8 linears: auto = bf16 off CUDA
+    assert ops.packed_storage(ops.FP8_LINEARS_ENV, "cuda")  # and packed (Marlin W8A16) on CUDA
     monkeypatch.setenv(ops.EXPERT_STORAGE_ENV, "fp4")
     with pytest.raises(ValueError, match="expected auto, packed or bf16"):
         expert_storage("fp4")

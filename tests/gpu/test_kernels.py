@@ -143,6 +143,64 @@ def test_sparse_attention_gathered(device, dtype):
     assert err < BOUND[dtype]
 
 
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sparse_attention_paged(device, dtype, split, monkeypatch):
+    """Decode path: window rows from one paged buffer then compressed rows from another, read in place;
+    rows of other requests hold NaN and must not leak."""
+    from kernels_nvidia import attention as kattn
+    from kernels_nvidia import ops as kn
+    _skip_interp_bf16_dot(device, dtype)
+    monkeypatch.setattr(kattn, "SPLIT", split)
+    _seed()
+    t, h, (ra, ka), (rb, kb) = (3, 16, (64, 16), (96, 40)) if _small(device) else (64, 64, (9000, 128), (20000, 512))
+    q = torch.randn(t, h, 512, device=device).to(dtype)
+    kv_a = torch.full((ra, 512), float("nan"), device=device).to(dtype)
+    kv_b = torch.full((rb, 512), float("nan"), device=device).to(dtype)
+    idx_a = torch.stack([torch.randperm(ra, device=device)[:ka] for _ in range(t)])
+    idx_b = torch.stack([torch.randperm(rb, device=device)[:kb] for _ in range(t)])
+    idx_a[torch.rand(t, ka, device=device) < 0.2] = -1
+    idx_b[torch.rand(t, kb, device=device) < 0.4] = -1
+    idx_b[0] = -1
+    for kv, idx in ((kv_a, idx_a), (kv_b, idx_b)):  # only the selected rows are finite
+        used = idx[idx >= 0]
+        kv[used] = (torch.randn(used.numel(), 512, device=device) * 0.5).to(dtype)
+    sink = torch.randn(h, device=device)
+    out = kn.sparse_attention_paged(q, kv_a, idx_a, kv_b, idx_b, sink, 0.044)
+    want = ref.sparse_attention_paged(q.cpu(), kv_a.cpu(), idx_a.cpu(), kv_b.cpu(), idx_b.cpu(), sink.cpu(), 0.044)
+    err = _rel(out, want)
+    print(f"sparse_attention_paged split={split} {dtype}: rel err {err:.2e}")
+    assert err < BOUND[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_indexer_scores_paged(device, dtype):
+    """Decode indexer: each token scores its own request's rows through its block-table row, -inf past its
+    visible count (blocks past it do no work); rows of other requests hold NaN and must not leak."""
+    from kernels_nvidia import ops as kn
+    _skip_interp_bf16_dot(device, dtype)
+    _seed()
+    t, hi, rpb, nb = (3, 16, 16, 6) if _small(device) else (64, 32, 128, 40)
+    n_rows = nb * rpb + 1  # one past the table: clamped like the cache's own addressing
+    keys = torch.full((t * nb * rpb + rpb, 128), float("nan"), device=device).to(dtype)
+    table = (1 + torch.randperm(t * nb, device=device).view(t, nb)).int()  # block 0 = vLLM's null block
+    n_valid = torch.randint(0, n_rows, (t,), device=device)
+    n_valid[0] = 0
+    for r in range(t):  # fill the visible rows of each token's own blocks
+        rows = torch.arange(int(n_valid[r]), device=device)
+        slots = table[r, rows // rpb].long() * rpb + rows % rpb
+        keys[slots] = torch.randn(rows.numel(), 128, device=device).to(dtype)
+    q = torch.randn(t, hi, 128, device=device).to(dtype)
+    w = torch.randn(t, hi, device=device) * 0.1
+    out = kn.indexer_scores_paged(q, w, keys, table, n_valid, n_rows, rpb)
+    want = ref.indexer_scores_paged(q.cpu(), w.cpu(), keys.cpu(), table.cpu(), n_valid.cpu(), n_rows, rpb)
+    assert torch.equal(torch.isinf(out.cpu()), torch.isinf(want)) and out.shape == (t, n_rows)
+    fin = torch.isfinite(want)
+    err = _rel(out.cpu()[fin], want[fin]) if fin.any() else 0.0
+    print(f"indexer_scores_paged {dtype}: rel err {err:.2e}")
+    assert err < BOUND[dtype]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads_as_rows", [True, False])
 def test_indexer_scores(device, dtype, heads_as_rows, monkeypatch):

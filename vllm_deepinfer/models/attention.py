@@ -42,6 +42,7 @@ class Attention(nn.Module):
         tp = self.wq_b.tp_size
         # this rank's query heads and wo_a groups (ArchConfig.check_tensor_parallel guarantees divisibility)
         self.n_heads, self.head_dim, self.groups = h // tp, d, arch.o_groups // tp
+        self.wo_a.groups = self.groups
         self.window, self.eps, self.scale = arch.window, arch.rms_norm_eps, arch.softmax_scale
         self.per_head_q_norm = arch.family == V4  # V4.1: "qr is normed before wq_b" (spec §7 Q6)
         self.attn_sink = head_sharded(_param(h // tp, dtype=torch.float32))
@@ -100,7 +101,7 @@ class Attention(nn.Module):
         else:
             out = ops.apply_rope(out, cos, sin, inverse=True)
         # z = grouped wo_a product; wo_b as a Linear (parity: its W8A8 input quantiser runs on z)
-        return self.wo_b(self.wo_a.matmul(out.flatten(1), self.groups))
+        return self.wo_b(self.wo_a.matmul(out.flatten(1)))
 
     def _compress(self, x: torch.Tensor, batch: StepBatch) -> None:
         """Pool the groups closed in this step into compressed rows (and V4.1 index keys)."""
@@ -147,22 +148,22 @@ class Attention(nn.Module):
                        selected: torch.Tensor | None) -> torch.Tensor:
         """The one-token requests (fixed shapes, no host sync). q: [n_dec, H, d]; kv: [n_dec, d] -> [n_dec, H, d].
 
-        Keys are gathered per query: its last W window rows, then its selected compressed rows
-        (HCA: every row up to max_model_len / m, masked to the visible ones).
+        Keys of a query: its last W window rows, then its selected compressed rows (HCA: every row up to
+        max_model_len / m, masked to the visible ones), read in place from the two paged caches by slot.
         """
         meta = batch.meta(self.window_cache)
         dev, req = q.device, batch.req.unsqueeze(1)
         pos = batch.dec_positions
         self.window_cache.write(meta, batch.req, pos, kv, keep=batch.live)
         window = pos.unsqueeze(1) - self.window + 1 + torch.arange(self.window, device=dev)      # [T, W]
-        keys = [self.window_cache.read(meta, req, window.clamp(min=0))]
-        valid = [window >= 0]
+        win = torch.where(window >= 0, self.window_cache.row_slots(meta, req, window.clamp(min=0)), -1)
+        rows, sel = self.window_cache.rows, win[:, :0]
         if self.plan.ratio > 0:
             n_visible = (pos + 1) // self.plan.ratio
             if selected is None:  # HCA: every visible row
                 every = torch.arange(meta.max_model_len // self.plan.ratio + 1, device=dev)
                 selected = torch.where(every < n_visible.unsqueeze(1), every, -1)
-            keys.append(self.kv_source.read(batch.meta(self.kv_source), req, selected.clamp(min=0)))
-            valid.append(selected >= 0)
-        return ops.sparse_attention_gathered(q, torch.cat(keys, dim=1), torch.cat(valid, dim=1), self.attn_sink,
-                                             self.scale)
+            rows = self.kv_source.rows
+            sel = torch.where(selected >= 0, self.kv_source.row_slots(batch.meta(self.kv_source), req,
+                                                                      selected.clamp(min=0)), -1)
+        return ops.sparse_attention_paged(q, self.window_cache.rows, win, rows, sel, self.attn_sink, self.scale)

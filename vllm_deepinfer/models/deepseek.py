@@ -178,11 +178,11 @@ class DeepseekForCausalLM(nn.Module, DeepseekMixtureOfExperts):
         numerics = quant.configure()
         self.model = DeepseekModel(vllm_config, self.arch, prefix="model")
         self.collect_moe_layers([layer.ffn for layer in self.model.layers])
-        if ops.packed_storage(ops.FP8_LINEARS_ENV):
+        if ops.packed_storage(ops.FP8_LINEARS_ENV, torch.device(vllm_config.device_config.device).type):
             fp8 = {n for n, (dtype, _) in expected_tensors(self.arch).items() if dtype == "F8_E4M3"}
             packed = pack_fp8_linears(self.model, fp8, self.arch.weight_block_size)
-            logger.info("vllm-deepinfer: %d FP8 block linears keep their E4M3 codes (ops.linear_fp8_block)",
-                        len(packed))
+            logger.info("vllm-deepinfer: %d FP8 block linears keep their E4M3 codes (Marlin W8A16 on CUDA, "
+                        "else ops.linear_fp8_block)", len(packed))
         if self.arch.family == V4 and quant.enabled("act"):
             enable_activation_quant(self.model)
         logger.info("vllm-deepinfer numerics: %s", "parity " + ",".join(sorted(numerics)) if numerics else "exact")

@@ -122,11 +122,9 @@ class Indexer(nn.Module):
         Returns ids [n_dec, k] and, for the candidate source, its blocks [n_dec, n_blocks].
         """
         meta = batch.meta(self.key_source)
-        rows = torch.arange(meta.max_model_len // self.ratio + 1, device=q.device)
         n_valid = (batch.dec_positions + 1) // self.ratio                                  # [n]
-        valid = rows.unsqueeze(0) < n_valid.unsqueeze(1)                                     # [n, N]
-        keys = self.key_source.read(meta, batch.req.unsqueeze(1), rows.unsqueeze(0))         # [n, N, d_I]
-        scores = ops.indexer_scores_gathered(q, w, keys).masked_fill(~valid, float("-inf"))
+        scores = ops.indexer_scores_paged(q, w, self.key_source.rows, meta.block_table[batch.req], n_valid,
+                                          meta.max_model_len // self.ratio + 1, self.key_source.rows_per_block)
         blocks = self._candidate_blocks(scores, n_valid) if self.plan.candidate_source else None
         if cands is not None:
             scores = self._restrict_to_blocks(scores, cands)

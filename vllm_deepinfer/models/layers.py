@@ -1,8 +1,10 @@
 """Parameter holders of the torch path: linears (on vLLM's replicated / column / row parallel layers), RMSNorm.
 
 Checkpoint weights are dequantised once at load time (FP8 block / MXFP4 -> model dtype), except the
-FP8 block linears when packed storage is selected (`DEEPINFER_FP8_LINEARS=packed`, `pack_fp8_linears`):
-those keep the checkpoint's E4M3 codes and E8M0 scale bytes and multiply through `ops.linear_fp8_block`.
+FP8 block linears when packed storage is selected (`DEEPINFER_FP8_LINEARS`, `auto` = packed on CUDA;
+`pack_fp8_linears`): those keep the checkpoint's E4M3 codes and E8M0 scale bytes. On CUDA with bf16/fp16
+activations they are repacked after loading for vLLM's Marlin W8A16 GEMM (`ops.marlin.MarlinFP8`, the
+kernel of vLLM's in-tree V4.1 on SM90); elsewhere they multiply through `ops.linear_fp8_block`.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from vllm_deepinfer import ops
 from vllm_deepinfer.models.quant_config import LINEAR_CONFIG
-from vllm_deepinfer.ops import quant
+from vllm_deepinfer.ops import marlin, quant
 
 #: Linears whose activations vLLM's in-tree V4 path quantises to FP8 (DeepGEMM W8A8, 1x128 UE8M0),
 #: by module-name suffix. The grouped `wo_a` does not go through `Linear.forward` (its call site applies
@@ -45,11 +47,14 @@ class _DeepInferLinear:
     (shard boundaries must fall on scale blocks)."""
 
     weight: nn.Parameter
+    #: G of the block-diagonal product (the grouped `wo_a`: its attention sets o_groups / tp).
+    groups: int = 1
 
     def _init_storage(self) -> None:
         self.scale: nn.Parameter | None = None
         self.block: tuple[int, int] | None = None
         self._packed_dtype: torch.dtype | None = None
+        self.marlin: marlin.MarlinFP8 | None = None
         # Parity numerics: FP8 activation quantisation block (None = off, the default).
         self.act_block: int | None = None
 
@@ -71,17 +76,29 @@ class _DeepInferLinear:
         set_weight_attrs(self.scale, attrs)
         self.block = (block, block)
 
+    def finish_loading(self) -> None:
+        """After the loader filled a packed weight: move it to Marlin's layout where Marlin serves it (CUDA,
+        bf16/fp16 activations, K on 32-element groups), freeing the E4M3 codes and block bytes."""
+        if self.scale is None or not marlin.supported(self.weight.device, self._packed_dtype,
+                                                      self.weight.shape[1] // self.groups, self.block):
+            return
+        self.marlin = marlin.MarlinFP8.from_packed(self.weight.data, self.scale.data, self.block, self.groups,
+                                                   self._packed_dtype)
+        self.weight = self.scale = None
+
     @property
     def act_dtype(self) -> torch.dtype:
         """Dtype of the inputs and outputs (the model dtype)."""
-        return self.weight.dtype if self.scale is None else self._packed_dtype
+        return self.weight.dtype if self._packed_dtype is None else self._packed_dtype
 
-    def matmul(self, x: torch.Tensor, groups: int = 1) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, G*K] -> x W^T [T, N] on this rank's shard, without activation quantisation or collective;
-        groups = G > 1: the block-diagonal product of `ops.linear` (x group g times rows g*N/G.. of W)."""
+        G = `groups` > 1: the block-diagonal product of `ops.linear` (x group g times rows g*N/G.. of W)."""
+        if self.marlin is not None:
+            return self.marlin(x)
         if self.scale is not None:
-            return ops.linear_fp8_block(x, self.weight, self.scale, self.block, groups)
-        return ops.linear(x, self.weight, groups)
+            return ops.linear_fp8_block(x, self.weight, self.scale, self.block, self.groups)
+        return ops.linear(x, self.weight, self.groups)
 
     def forward_local(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's product (`DeepInferLinearMethod.apply`), with parity activation quantisation."""

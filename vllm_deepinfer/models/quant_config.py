@@ -82,6 +82,9 @@ class DeepInferLinearMethod(LinearMethodBase):
         set_weight_attrs(weight, {"input_dim": 1, "output_dim": 0, **extra_weight_attrs})
         layer.register_parameter("weight", weight)
 
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        layer.finish_loading()
+
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return layer.forward_local(x)
 

@@ -13,6 +13,7 @@ everywhere (read at import).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 
@@ -66,7 +67,8 @@ def backend_for(x: torch.Tensor) -> str:
     return "kernels_ascend" if _ascend(x) is not None else "reference"
 
 
-def _dispatch(name: str, x: torch.Tensor, *args, **kwargs):
+def _dispatch(name: str, x: torch.Tensor, *args, fallback=None, **kwargs):
+    """The device kernel `name` for `x`'s device, else `fallback` (default: the reference op)."""
     dev = _device_ops(x)
     if dev is not None:
         fn = getattr(dev, name, None)
@@ -75,7 +77,7 @@ def _dispatch(name: str, x: torch.Tensor, *args, **kwargs):
                 return fn(*args, **kwargs)
             except NotImplementedError:
                 pass
-    return getattr(reference, name)(*args, **kwargs)
+    return (fallback or getattr(reference, name))(*args, **kwargs)
 
 
 def sparse_attention(q, keys, allowed, sink, scale):
@@ -92,6 +94,18 @@ def sparse_attention_gathered(q, keys, valid, sink, scale):
 
 def indexer_scores_gathered(q, weights, keys):
     return _dispatch("indexer_scores_gathered", q, q, weights, keys)
+
+
+def sparse_attention_paged(q, kv_a, idx_a, kv_b, idx_b, sink, scale):
+    # without a paged kernel: gather the rows, then the device's (or the reference) gathered attention
+    return _dispatch("sparse_attention_paged", q, q, kv_a, idx_a, kv_b, idx_b, sink, scale,
+                     fallback=functools.partial(reference.sparse_attention_paged, attend=sparse_attention_gathered))
+
+
+def indexer_scores_paged(q, weights, keys, block_table, n_valid, n_rows, rows_per_block):
+    # without a paged kernel: gather the keys, then the device's (or the reference) gathered scores
+    return _dispatch("indexer_scores_paged", q, q, weights, keys, block_table, n_valid, n_rows, rows_per_block,
+                     fallback=functools.partial(reference.indexer_scores_paged, score=indexer_scores_gathered))
 
 
 def softmax_pool(values, logits):
@@ -140,10 +154,10 @@ def parse_storage(env: str, value: str | None) -> str:
     """A weight-storage setting (`DEEPINFER_FP8_LINEARS`, `DEEPINFER_EXPERT_STORAGE`) -> 'auto', 'packed' or 'bf16'.
 
     `packed` keeps the checkpoint codes (E4M3 + E8M0 linears, MXFP4 experts); `bf16` dequantises at load
-    (to the model dtype); `auto` (default; also unset or an off value) is the storage measured fastest on
-    the H200, resolved per setting: FP8 linears `bf16` (`packed_storage`: the weight-only FP8 Triton GEMM
-    ran at 0.1-0.8x of bf16 torch at decode sizes, benchmarks/results/kernels/2026-11-30-packed/); routed
-    experts `packed` on CUDA through vLLM's MXFP4 fused-MoE method (`moe.method.expert_storage`).
+    (to the model dtype); `auto` (default; also unset or an off value) is resolved per setting: FP8 linears
+    `packed` on CUDA (`packed_storage`: vLLM's Marlin W8A16 GEMM, `ops.marlin`, the kernel vLLM's in-tree
+    V4.1 runs on SM90) and `bf16` elsewhere; routed experts `packed` on CUDA through vLLM's MXFP4 fused-MoE
+    method (`moe.method.expert_storage`).
     """
     v = (value or "").strip().lower()
     if v in _AUTO:
@@ -166,13 +180,15 @@ def parse_engram_device(value: str | None, device_type: str) -> str:
     raise ValueError(f"{ENGRAM_DEVICE_ENV}={value!r} is unknown; accepted: host, gpu, auto")
 
 
-def packed_storage(env: str) -> bool:
-    """Whether the FP8 block linears keep their packed checkpoint codes (`auto` = bf16; read at model build)."""
-    return parse_storage(env, os.environ.get(env)) == "packed"
+def packed_storage(env: str, device_type: str) -> bool:
+    """Whether the FP8 block linears on `device_type` keep their packed checkpoint codes (`auto`: packed on
+    CUDA, bf16 elsewhere; read at model build)."""
+    storage = parse_storage(env, os.environ.get(env))
+    return storage == "packed" or (storage == "auto" and device_type == "cuda")
 
 
-for _f in (sparse_attention, sparse_attention_indexed, sparse_attention_gathered, softmax_pool, indexer_scores,
-           indexer_scores_gathered, topk_rows, linear_fp8_block,
+for _f in (sparse_attention, sparse_attention_indexed, sparse_attention_gathered, sparse_attention_paged,
+           softmax_pool, indexer_scores, indexer_scores_gathered, indexer_scores_paged, topk_rows, linear_fp8_block,
            hc_coefficients, hc_collapse, hc_expand, routed_experts, routed_experts_packed):
     _f.__doc__ = getattr(reference, _f.__name__).__doc__
 del _f

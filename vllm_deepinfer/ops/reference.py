@@ -314,3 +314,42 @@ def sparse_attention_indexed(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tenso
     allowed = torch.zeros(idx.shape[0], kv.shape[0] + 1, dtype=torch.bool, device=idx.device)
     allowed.scatter_(1, torch.where(idx >= 0, idx, kv.shape[0]).long(), True)
     return sparse_attention(q, kv, allowed[:, :-1], sink, scale)
+
+
+# ----------------------------------------------------------------------------- paged forms (decode)
+def paged_slots(block_table: torch.Tensor, n_rows: int, rows_per_block: int) -> torch.Tensor:
+    """Slots of rows 0..n_rows-1 of each token's request in a paged row buffer: row i lives at
+    block_table[t, i // rows_per_block] * rows_per_block + i % rows_per_block. block_table: [T, NB] -> [T, N]
+    (columns past the table are clamped to its last one; such rows are masked by the callers)."""
+    rows = torch.arange(n_rows, device=block_table.device)
+    col = (rows // rows_per_block).clamp(max=block_table.shape[1] - 1)
+    return block_table[:, col].long() * rows_per_block + rows % rows_per_block
+
+
+def gather_pair(kv_a: torch.Tensor, idx_a: torch.Tensor, kv_b: torch.Tensor,
+                idx_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows kv_a[idx_a[t]] then kv_b[idx_b[t]] per query (-1 = none) -> keys [T, K_a + K_b, d], valid [T, K_a + K_b]."""
+    keys = torch.cat([kv_a[idx_a.clamp(min=0)], kv_b[idx_b.clamp(min=0)]], dim=1)
+    return keys, torch.cat([idx_a >= 0, idx_b >= 0], dim=1)
+
+
+def sparse_attention_paged(q: torch.Tensor, kv_a: torch.Tensor, idx_a: torch.Tensor, kv_b: torch.Tensor,
+                           idx_b: torch.Tensor, sink: torch.Tensor, scale: float,
+                           attend=sparse_attention_gathered) -> torch.Tensor:
+    """`sparse_attention_gathered` over each query's rows kv_a[idx_a[t]] then kv_b[idx_b[t]] (-1 = none).
+
+    q: [T, H, d]; kv_*: [R_*, d] row buffers (e.g. two paged caches); idx_*: [T, K_*] -> [T, H, d].
+    `attend`: the gathered attention to run on the rows (the ops layer passes its dispatched one)."""
+    return attend(q, *gather_pair(kv_a, idx_a, kv_b, idx_b), sink, scale)
+
+
+def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, block_table: torch.Tensor,
+                         n_valid: torch.Tensor, n_rows: int, rows_per_block: int,
+                         score=indexer_scores_gathered) -> torch.Tensor:
+    """`indexer_scores_gathered` of each token against rows 0..n_rows-1 of its own request in a paged key
+    buffer (`paged_slots`), -inf from row n_valid[t] on.
+
+    q: [T, H_I, d_I]; weights: [T, H_I]; keys: [R, d_I]; block_table: [T, NB]; n_valid: [T] -> [T, n_rows] fp32.
+    `score`: the gathered scoring to run (the ops layer passes its dispatched one)."""
+    scores = score(q, weights, keys[paged_slots(block_table, n_rows, rows_per_block)])
+    return scores.masked_fill(torch.arange(n_rows, device=q.device) >= n_valid.unsqueeze(1), float("-inf"))

@@ -15,8 +15,10 @@ CLI::
 What it counts (every tensor comes from `checkpoint.inventory.expected_tensors`, so shapes are exact):
 
 * Weights by kind, as the plugin stores them (the *storage rules*, explicit parameters):
-  - block-FP8 linears: ``--fp8-linears packed`` = E4M3 codes (1 B) + one E8M0 byte per block;
-    ``bf16`` = dequantised to ``--dtype``. Compressor linears are kept in float32 (4 B) either way.
+  - block-FP8 linears: ``--fp8-linears marlin`` (default: CUDA's packed storage, vLLM's Marlin W8A16 layout) =
+    E4M3 codes (1 B) + one E8M0 byte per 1 x 32 group (Marlin's padding of N and K to its tiles is not counted:
+    the release widths are multiples of 256); ``packed`` (the packed storage elsewhere) = codes + one E8M0 byte
+    per B x B block; ``bf16`` = dequantised to ``--dtype``. Compressor linears are kept in float32 (4 B) always.
   - MXFP4 routed experts: ``--experts packed`` = the checkpoint bytes (0.5 B per value + one E8M0 byte per 32);
     ``bf16`` = dequantised to ``--dtype``.
   - Engram tables: FP8 codes + one E8M0 byte per 32 values, always packed; ``--engram host`` (default; CUDA
@@ -107,7 +109,7 @@ class Deployment:
     ep: bool = False
     redundant_experts: int = 0
     dtype_bytes: int = 2            # --dtype of the model (bf16)
-    fp8_linears: str = "packed"     # packed | bf16
+    fp8_linears: str = "marlin"     # marlin (CUDA) | packed (elsewhere) | bf16
     experts: str = "packed"         # packed | bf16
     engram: str = "host"            # host | gpu
     kv_dtype_bytes: int = 2         # the plugin's caches are in the model dtype (no FP8 records yet)
@@ -153,18 +155,20 @@ def _tp_split(name: str) -> bool:
                                               "ffn.shared_experts."))
 
 
-def stored_bytes(name: str, dtype: str, shape: tuple[int, ...], dep: Deployment) -> int:
-    """Bytes the plugin holds for checkpoint tensor `name` (before sharding)."""
+def stored_bytes(name: str, dtype: str, shape: tuple[int, ...], dep: Deployment, block: int) -> int:
+    """Bytes the plugin holds for checkpoint tensor `name` (before sharding); `block`: the FP8 block edge."""
     n = math.prod(shape)
     if dtype == "F8_E8M0":  # a scale: kept only with its codes (packed storage, Engram tables)
         packed = {"routed experts": dep.experts, "Engram tables": "packed"}.get(_kind(name), dep.fp8_linears)
+        if packed == "marlin":  # one byte per 1 x 32 group of the block's B x B values
+            return n * block * block // 32
         return n if packed == "packed" else 0
     if ".compressor." in name and dtype == "BF16" and len(shape) == 2:
         return 4 * n  # compressor linears run in float32
     if dtype == "I8":  # MXFP4 expert codes, two values per byte
         return n if dep.experts == "packed" else 2 * n * dep.dtype_bytes
     if dtype == "F8_E4M3":
-        if _kind(name) == "Engram tables" or dep.fp8_linears == "packed":
+        if _kind(name) == "Engram tables" or dep.fp8_linears != "bf16":
             return n
         return n * dep.dtype_bytes
     return {"BF16": dep.dtype_bytes, "F32": 4, "I64": 8}[dtype] * n
@@ -197,7 +201,7 @@ def plan_weights(arch: ArchConfig, dep: Deployment) -> WeightPlan:
             not_loaded["drafter mtp.* (no speculative decoding in the plugin)"] += size[dt] * math.prod(shape)
             continue
         kind = _kind(name)
-        b = stored_bytes(name, dt, shape, dep)
+        b = stored_bytes(name, dt, shape, dep, arch.weight_block_size)
         total[kind] += b
         if kind == "Engram tables" and dep.engram == "host":
             host[kind] += b
@@ -366,7 +370,7 @@ def main(argv=None) -> int:
     p.add_argument("--ep", action="store_true", help="expert parallel over TP x DP ranks")
     p.add_argument("--num-redundant-experts", type=int, default=0, help="EPLB redundant experts (all ranks)")
     p.add_argument("--engram", choices=["host", "gpu"], default="host")
-    p.add_argument("--fp8-linears", choices=["packed", "bf16"], default="packed")
+    p.add_argument("--fp8-linears", choices=["marlin", "packed", "bf16"], default="marlin")
     p.add_argument("--experts", choices=["packed", "bf16"], default="packed")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_BYTES))
     p.add_argument("--kv-dtype", default=None, choices=sorted(DTYPE_BYTES),
