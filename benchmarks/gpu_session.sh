@@ -15,6 +15,12 @@
 #       make_checkpoint --preset full-width: in-tree (eager) || the plugin with CUDA graphs, exact and parity
 #   bash benchmarks/gpu_session.sh engram BUDGET_S  # one GPU: DEEPINFER_ENGRAM_DEVICE=host vs gpu, CUDA graphs
 #   bash benchmarks/gpu_session.sh tp BUDGET_S      # two GPUs: tensor_parallel_size 2 vs 1, CUDA graphs
+#   bash benchmarks/gpu_session.sh dpep BUDGET_S    # two GPUs, ~9 min: `vllm serve --data-parallel-size 2
+#       --enable-expert-parallel --enable-eplb` (2 redundant experts, rebalanced every 16 steps) vs one GPU on the
+#       memorised-head V4.1 and V4 (token identity), then the served throughput of ours and in-tree on the protocol
+#       model (full-width V4.1, 8 layers, 384 experts, dummy weights) under DP=2+EP (par_bench dpep)
+#   bash benchmarks/gpu_session.sh par-bench tp|dpep BUDGET_S   # two GPUs, ~5 min: that served throughput alone
+#       (in-tree then ours, `bench_serve.py --serve-args`), for TP=2 or DP=2+EP -> $OUT/bench-<par>.tgz
 #   bash benchmarks/gpu_session.sh jit-save [FIRST] # last call on a warm host: JIT caches -> $OUT/jit (copy that
 #       folder to .gpuwork/jit here; the next host's first vllm_env restores it)
 #   The benchmark protocol (issue 9; bench_e2e.py defaults: V4.1 release widths, 8 layers, 384 experts top-6,
@@ -260,6 +266,51 @@ tp_session() {  # BUDGET_S, two GPUs: tensor_parallel_size 2 vs 1 (memorised-hea
   echo "tp session done t=$((SECONDS - t0)) s"
 }
 
+DPEP="--data-parallel-size 2 --enable-expert-parallel --api-server-count 1"
+EPLB='--enable-eplb --eplb-config {"num_redundant_experts":2,"step_interval":16,"window_size":16,"log_balancedness":true}'
+
+dpep_session() {  # BUDGET_S, two GPUs: DP=2+EP=2+EPLB token identity vs one GPU, then par_bench dpep
+  local budget=$1 t0=$SECONDS
+  vllm_env
+  make_checkpoints
+  local F="python3 benchmarks/gpu_vllm_fidelity.py run --impl ours --prompts .gpuwork/prompts.json --kv-bytes 2
+           --no-jit-warmup --gpu-mem 0.1 --no-eager --cudagraph-sizes 1,2,4 --start-timeout 200"
+  local left=$(( budget * 2 / 5 )) port=8013
+  for a in v41 v4; do  # both archs at once: DP ranks on GPU 0/1, the one-GPU runs on GPU 1 (fixed KV budgets)
+    timeout $left $F --serve-args "$DPEP $EPLB" --port $port --ckpt .gpuwork/ckpt-${a}m --out "$OUT/dp2_$a.json" \
+      > "$LOGS/dp2_$a.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=1 timeout $left $F --ckpt .gpuwork/ckpt-${a}m --out "$OUT/dp1_$a.json" > "$LOGS/dp1_$a.log" 2>&1 &
+    port=$((port + 1))
+  done
+  wait
+  for a in v41 v4; do
+    mv "$OUT/dp2_$a.serve.log" "$LOGS/" 2>/dev/null
+    python3 benchmarks/gpu_vllm_fidelity.py compare "$OUT/dp2_$a.json" "$OUT/dp1_$a.json" --labels dp2ep,gpu1 2>&1 | head -6
+    grep -hE "Rearranged|Skip rearrange|EPLB step|Error" "$LOGS/dp2_$a.serve.log" | cut -c1-200 | tail -4
+  done
+  echo "identity done t=$((SECONDS - t0)) s"
+  par_bench dpep $((budget - (SECONDS - t0)))
+  pack_logs
+  echo "dpep session done t=$((SECONDS - t0)) s"
+}
+
+par_bench() {  # PAR (dpep | tp) BUDGET_S: served throughput of in-tree then ours on the protocol model (full-width
+  # V4.1, 8 layers, 384 experts, dummy weights) under that parallel layout; short load (C=1/16/64, 64 new tokens).
+  # Needs vllm_env done.
+  local par=$1 budget=$2 t0=$SECONDS
+  local args="$DPEP"; [ "$par" = tp ] && args="--tensor-parallel-size 2"
+  local per=$(( (budget - 20) / 2 ))
+  for side in intree ours; do
+    timeout -k 10 $per python3 benchmarks/bench_serve.py --only $side --out /tmp/par-$par --concurrency 1,16,64 \
+      --num-prompts 8,64,192 --output-len 64 --start-timeout $((per - 70)) --serve-args "$args" \
+      > "$LOGS/bench_${par}_$side.out" 2>&1
+    grep -E "first token|C=|not up|failed" "$LOGS/bench_${par}_$side.out" | tail -4
+  done
+  python3 benchmarks/bench_serve.py --report /tmp/par-$par 2>&1 | tail -8
+  tar czf "$OUT/bench-$par.tgz" --exclude 'model-*' -C /tmp par-$par 2>/dev/null
+  echo "par-bench $par done t=$((SECONDS - t0)) s"
+}
+
 linears() {  # the FP8 block linears of one V4.1 layer: vLLM Marlin W8A16 vs our Triton GEMM vs bf16 (+ check)
   vllm_env
   python3 benchmarks/bench_linears_vllm.py --tokens 1,16,64,256 --json "$OUT/bench_linears.json" \
@@ -278,10 +329,12 @@ case "$mode" in
   fw) fw_session "${2:-560}" ;;
   engram) engram_session "${2:-560}" ;;
   tp) tp_session "${2:-560}" ;;
+  dpep) dpep_session "${2:-560}" ;;
+  par-bench) vllm_env; par_bench "${2:-tp}" "${3:-560}"; pack_logs ;;
   jit-save) bash shared/gpu/jit-cache.sh save "$OUT/jit" "${2:-0}" ;;
   compact) compact_bench "${2:-560}" ;;
   serve-ours|serve-intree) serve_bench "${mode#serve-}" "${2:-560}" ;;
   cold-ours|cold-intree) cold_bench "${mode#cold-}" "${2:-560}" ;;
   sweep-ours|sweep-intree) sweep_bench "${mode#sweep-}" "${2:-560}" ;;
-  *) echo "usage: $0 kernels|linears|stage DIR|vllm|ours-bench|intree-bench|memo|fw|engram|tp|compact|serve-SIDE|cold-SIDE|sweep-SIDE BUDGET_S|jit-save [FIRST]" >&2; exit 2 ;;
+  *) echo "usage: $0 kernels|linears|stage DIR|vllm|ours-bench|intree-bench|memo|fw|engram|tp|dpep|compact|serve-SIDE|cold-SIDE|sweep-SIDE BUDGET_S|par-bench tp|dpep BUDGET_S|jit-save [FIRST]" >&2; exit 2 ;;
 esac

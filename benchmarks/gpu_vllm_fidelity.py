@@ -4,9 +4,12 @@ Three sub-commands (see NOTES-gpu-vllm.md for the exact device commands):
 
   prompts  CKPT OUT.json [--lens 37,300,1000]       CPU: token ids of English text (tests/fidelity.prompt_ids)
   run      --impl ours|intree --ckpt DIR --prompts P.json --out R.json [--dtype bfloat16] [--eager] [--tp N]
+           [--serve-args "--data-parallel-size 2 --enable-expert-parallel ..."]
            one vLLM engine (in this process), greedy N new tokens per prompt (ignore_eos), prompt
            logprobs (top-5 + the prompt token) and sampled logprobs (top-5). `intree` sets
            DEEPINFER_DISABLE=1 before vLLM is imported, so vLLM's own model class serves the arch.
+           With --serve-args the engine is `vllm serve` with the same settings plus those arguments (data
+           parallel needs it: `LLM(data_parallel_size>1)` is refused), queried on /v1/completions.
            R.json is rewritten after every prompt (a run stopped at its time limit keeps what it did).
   compare  A.json B.json [--ref dense|hf|none --ckpt DIR]
            token agreement per prompt, first divergence, prompt-logprob differences; with --ref it
@@ -81,6 +84,9 @@ def cmd_run(a) -> None:
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": [int(x) for x in a.cudagraph_sizes.split(",")]}
     res["llm_kwargs"] = kwargs
     _dump(out, res)
+    if a.serve_args:
+        _run_served(a, kwargs, prompts, res, out, t0)
+        return
     print(f"[{a.impl}] starting LLM {kwargs}", flush=True)
     llm = LLM(**kwargs)
     res.update(describe(llm))
@@ -115,6 +121,70 @@ def cmd_run(a) -> None:
         llm.llm_engine.engine_core.shutdown()
     except Exception:  # noqa: BLE001
         pass
+
+
+def _serve_flags(kwargs: dict) -> list[str]:
+    """`vllm serve` flags for the LLM(**kwargs) settings of cmd_run (model and tensor_parallel_size included)."""
+    flags = ["--enforce-eager"] if kwargs.pop("enforce_eager") else []
+    kwargs.pop("model")
+    for k, v in kwargs.items():
+        if v is not False:
+            flags += [f"--{k.replace('_', '-')}", json.dumps(v) if isinstance(v, dict) else str(v)]
+    return flags
+
+
+def _complete(port: int, model: str, ids: list[int], new: int, logprobs: int) -> dict:
+    """One greedy /v1/completions on token ids: generated ids, prompt logprobs (top-5 + prompt token), top-5 sampled."""
+    import urllib.request
+
+    body = {"model": model, "prompt": ids, "max_tokens": new, "temperature": 0.0, "ignore_eos": True,
+            "return_token_ids": True}
+    if logprobs:
+        body.update(prompt_logprobs=logprobs, logprobs=logprobs, return_tokens_as_token_ids=True)
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        c = json.loads(r.read())["choices"][0]
+    res = {"prompt": ids, "generated": c["token_ids"]}
+    if logprobs:
+        res["prompt_logprobs"] = [None] + [{k: float(v["logprob"]) for k, v in d.items()}
+                                           for d in c["prompt_logprobs"][1:]]
+        res["gen_logprobs"] = [{k.split(":", 1)[1]: float(v) for k, v in d.items()}
+                               for d in c["logprobs"]["top_logprobs"]]
+    return res
+
+
+def _run_served(a, kwargs: dict, prompts: dict[int, list[int]], res: dict, out: Path, t0: float) -> None:
+    """cmd_run through `vllm serve` + `a.serve_args`: same JSON (results per prompt, batched_generated)."""
+    import concurrent.futures
+    import shlex
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from serve_util import Server, serve_cmd, wait_first_token
+
+    port = a.port
+    cmd = serve_cmd(str(a.ckpt), port, _serve_flags(dict(kwargs)) + shlex.split(a.serve_args))
+    res["serve_cmd"] = cmd
+    with Server(cmd, dict(os.environ, PYTHONUNBUFFERED="1"), out.with_suffix(".serve.log")) as server:
+        up = wait_first_token(server, port, str(a.ckpt), limit=a.start_timeout)
+        if up is None:
+            raise RuntimeError(f"vllm serve did not answer:\n{server.tail()}")
+        res["startup_s"] = round(up, 1)
+        print(f"[{a.impl}] served engine up in {res['startup_s']} s: {shlex.join(cmd)}", flush=True)
+        for n in sorted(prompts):
+            t1 = time.time()
+            r = _complete(port, str(a.ckpt), prompts[n], a.new, 5)
+            r["seconds"] = round(time.time() - t1, 2)
+            res["results"][str(n)] = r
+            _dump(out, res)
+            print(f"[{a.impl}] len {n}: {r['seconds']:.2f} s, first tokens {r['generated'][:12]}", flush=True)
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:  # one batch (spread over the DP ranks)
+            batched = list(pool.map(lambda n: _complete(port, str(a.ckpt), prompts[n], a.new, 0), sorted(prompts)))
+    res["batched_generated"] = {str(n): b["generated"] for n, b in zip(sorted(prompts), batched)}
+    res["total_s"] = round(time.time() - t0, 1)
+    _dump(out, res)
+    same = {n: res["batched_generated"][str(n)] == res["results"][str(n)]["generated"] for n in sorted(prompts)}
+    print(f"[{a.impl}] batched == single: {same}; total {res['total_s']} s", flush=True)
 
 
 def _load(path: str) -> dict:
@@ -246,6 +316,9 @@ def main() -> None:
     s.add_argument("--no-jit-warmup", action="store_true")
     s.add_argument("--text-only", action="store_true")
     s.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    s.add_argument("--serve-args", default="", help="run under `vllm serve` with these extra arguments")
+    s.add_argument("--start-timeout", type=float, default=420, help="seconds for the served engine to answer")
+    s.add_argument("--port", type=int, default=8013, help="port of the served engine")
     s = sub.add_parser("compare")
     s.add_argument("a")
     s.add_argument("b")

@@ -10,6 +10,11 @@ import contextlib
 import json
 import os
 import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -70,3 +75,56 @@ def engine(model: Path, **overrides) -> Iterator:
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
         cleanup_dist_env_and_memory()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`vllm serve MODEL` (through `vllm_deepinfer.serving.cli`) as a real process on loopback: float32, eager,
+    small KV budget, plus `args`; `env` adds variables. Logs to `log`; `stop()` ends its process group."""
+
+    def __init__(self, model: Path, port: int, log: Path, args: list[str], env: dict[str, str] | None = None):
+        self.model, self.port, self.log = str(model), port, log
+        self.url = f"http://127.0.0.1:{port}"
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_CPU_KVCACHE_SPACE="2",
+                   HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
+        cmd = [sys.executable, "-m", "vllm_deepinfer.serving.cli", "serve", self.model,
+               "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32",
+               "--gpu-memory-utilization", "0.2", "--enforce-eager", *args]
+        self._logf = open(log, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._logf, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+
+    def wait_ready(self, timeout: float = 400) -> None:
+        import httpx
+
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.log.read_text()[-4000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"server not ready in {timeout}s:\n{self.log.read_text()[-4000:]}")
+
+    def alive(self) -> bool:
+        import httpx
+
+        return self.proc.poll() is None and httpx.get(self.url + "/health", timeout=5).status_code == 200
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+        self._logf.close()

@@ -1,12 +1,10 @@
-"""Expert parallelism through vLLM's fused-MoE layer on CPU.
+"""Expert parallelism over the tensor-parallel group through vLLM's fused-MoE layer on CPU.
 
-vLLM 0.32's CPU build cannot run data parallelism with expert parallelism: offline `LLM(data_parallel_size=2)`
-is refused ("not supported for single-process usage"), and the offline SPMD form (VLLM_DP_SIZE/VLLM_DP_RANK,
-one process per rank) starts, loads the experts per rank and routes, then fails in the first MoE dispatch:
-the CPU communicator has no `all_gatherv` (NOTES, "Fused MoE"). So EP runs over the tensor-parallel group:
-TP=2 with `enable_expert_parallel=True` (each rank owns 4 of the 8 experts and computes attention
-replicated on this branch); the greedy tokens of the tiny V4 (hash layers) and V4.1 checkpoints in fp32
+TP=2 with `enable_expert_parallel=True`: each rank owns 4 of the 8 experts and computes attention
+replicated on this branch; the greedy tokens of the tiny V4 (hash layers) and V4.1 checkpoints in fp32
 must equal one process's, logprobs to 1e-4 (the ranks' partial sums add in another order).
+Data parallel + expert parallel (`vllm serve --data-parallel-size 2 --enable-expert-parallel`) is
+tests/test_data_parallel.py.
 """
 
 from __future__ import annotations

@@ -15,10 +15,6 @@ import json
 import os
 import random
 import re
-import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -28,7 +24,7 @@ openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
 httpx = pytest.importorskip("httpx")
 
-from tests.conftest import tiny_checkpoint  # noqa: E402
+from tests.conftest import Server, free_port, tiny_checkpoint  # noqa: E402
 from vllm_deepinfer.serving.parsers import tool_call_structural_tag  # noqa: E402
 
 MAX_MODEL_LEN = 4096
@@ -47,12 +43,6 @@ TOOLS = [{
     },
 }]
 NO_THINK = {"chat_template_kwargs": {"thinking": False}}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tree_rss_mb(pid: int) -> float:
@@ -78,54 +68,14 @@ def _tree_rss_mb(pid: int) -> float:
     return total / 1024
 
 
-class Server:
-    def __init__(self, model: Path, port: int, log: Path):
-        self.model, self.port, self.log = str(model), port, log
-        self.url = f"http://127.0.0.1:{port}"
-        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_CPU_KVCACHE_SPACE="2",
-                   HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-        cmd = [sys.executable, "-m", "vllm_deepinfer.serving.cli", "serve", self.model,
-               "--port", str(port), "--host", "127.0.0.1",
-               "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
-               "--gpu-memory-utilization", "0.2", "--enforce-eager", "--max-num-seqs", "32",
-               "--enable-auto-tool-choice", "--tool-call-parser", "deepinfer_v41",
-               "--reasoning-parser", "deepinfer_v41",
-               "--structured-outputs-config", json.dumps({"backend": "xgrammar", "enable_in_reasoning": True, "disable_any_whitespace": True})]
-        self._logf = open(log, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._logf, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
-
-    def wait_ready(self, timeout: float = 400) -> None:
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.log.read_text()[-4000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        raise TimeoutError(f"server not ready in {timeout}s:\n{self.log.read_text()[-4000:]}")
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None and httpx.get(self.url + "/health", timeout=5).status_code == 200
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGINT)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=30)
-        self._logf.close()
-
-
 @pytest.fixture(scope="module")
 def server(ckpt_root, tmp_path_factory):
     model = tiny_checkpoint(ckpt_root, "v4.1-flash")
-    srv = Server(model, _free_port(), tmp_path_factory.mktemp("serve") / "server.log")
+    srv = Server(model, free_port(), tmp_path_factory.mktemp("serve") / "server.log", [
+        "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "32",
+        "--enable-auto-tool-choice", "--tool-call-parser", "deepinfer_v41", "--reasoning-parser", "deepinfer_v41",
+        "--structured-outputs-config",
+        json.dumps({"backend": "xgrammar", "enable_in_reasoning": True, "disable_any_whitespace": True})])
     try:
         srv.wait_ready()
         yield srv

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from vllm.distributed.eplb.eplb_state import EplbState
 
 from vllm_deepinfer.checkpoint.formats import (
     check_no_nan_codes,
@@ -110,25 +111,39 @@ def load_checkpoint(model: nn.Module, arch: ArchConfig, weights: Iterable[tuple[
     return loaded
 
 
+def physical_slots(num_logical: int, num_physical: int, expert: int) -> list[int]:
+    """Global physical slots that hold logical expert `expert` at load: itself and, with EPLB redundant
+    experts (num_physical > num_logical), its replicas in vLLM's initial map
+    (`EplbState.build_initial_global_physical_to_logical_map`, which EPLB's first mapping assumes)."""
+    initial = EplbState.build_initial_global_physical_to_logical_map(num_logical, num_physical - num_logical)
+    return [slot for slot, e in enumerate(initial) if e == expert]
+
+
 def _load_expert(model: nn.Module, prefix: str, expert: int, which: str, name: str,
                  tensors: dict[str, torch.Tensor], block: int) -> list[str]:
-    """Checkpoint tensor `name` (w1/w2/w3 of global expert `expert` of `prefix` = layers.L.ffn.experts) through
-    the fused-MoE layer's weight loader, which keeps this rank's experts (EP) and TP slice. Packed params
+    """Checkpoint tensor `name` (w1/w2/w3 of logical expert `expert` of `prefix` = layers.L.ffn.experts) into
+    each of its physical slots local to this rank (EP keeps local slots, redundant replicas included)
+    through the fused-MoE layer's weight loader, which also takes this rank's TP slice. Packed params
     (uint8: vLLM's MXFP4 method or the plugin's packed torch method) take the codes and E8M0 bytes as
     stored, others the dequantised value. Returns the parameter names written (none off this rank)."""
     owner = f"model.{prefix}.routed_experts"
     experts = model.get_submodule(owner)
-    if experts._map_global_expert_id_to_local_expert_id(expert) == -1:
+    slots = [s for s in physical_slots(experts.moe_config.num_logical_experts, experts.global_num_experts, expert)
+             if experts._map_global_expert_id_to_local_expert_id(s) != -1]
+    if not slots:
         return []
     stem = "w2" if which == "w2" else "w13"
     param = getattr(experts, f"{stem}_weight")
     if param.dtype != torch.uint8:
-        param.weight_loader(param, _decode(name, tensors, block).to(param.dtype), f"{stem}_weight", which, expert)
+        value = _decode(name, tensors, block).to(param.dtype)
+        for slot in slots:
+            param.weight_loader(param, value, f"{stem}_weight", which, slot)
         return [f"{owner}.{stem}_weight"]
     scale = getattr(experts, f"{stem}_weight_scale")
-    param.weight_loader(param, tensors[name].view(torch.uint8), f"{stem}_weight", which, expert)
-    scale.weight_loader(scale, tensors[name[: -len("weight")] + "scale"].view(torch.uint8), f"{stem}_weight_scale",
-                        which, expert)
+    codes, scale_bytes = tensors[name].view(torch.uint8), tensors[name[: -len("weight")] + "scale"].view(torch.uint8)
+    for slot in slots:
+        param.weight_loader(param, codes, f"{stem}_weight", which, slot)
+        scale.weight_loader(scale, scale_bytes, f"{stem}_weight_scale", which, slot)
     return [f"{owner}.{stem}_weight", f"{owner}.{stem}_weight_scale"]
 
 

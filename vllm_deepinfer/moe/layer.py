@@ -20,6 +20,7 @@ import functools
 import torch
 from torch import nn
 from vllm.config import VllmConfig
+from vllm.distributed.device_communicators.pynccl_wrapper import ncclDataTypeEnum
 from vllm.distributed.eplb.eplb_state import EplbLayerState
 from vllm.model_executor.layers.fused_moe import FusedMoEFactory
 from vllm.model_executor.layers.fused_moe.config import RoutingMethodType
@@ -122,9 +123,20 @@ class MoE(nn.Module):
         return y
 
 
+def eplb_transfer_view(weight: torch.Tensor) -> torch.Tensor:
+    """An expert tensor as EPLB moves it: itself when NCCL carries its dtype, else the same bytes as uint8.
+
+    weight: [local experts, n] (vLLM's `get_expert_weights` view) -> [local experts, n * itemsize] for
+    e.g. the MXFP4 methods' `float8_e8m0fnu` scales, which NCCL (and vLLM's pynccl dtype table) rejects.
+    The view shares the parameter's storage, so EPLB's in-place migration writes the real weights."""
+    if ncclDataTypeEnum.supports_torch_dtype(weight.dtype):
+        return weight
+    return weight.view(torch.uint8)
+
+
 class DeepseekMixtureOfExperts(MixtureOfExperts):
     """vLLM's `MixtureOfExperts` protocol (EPLB: load statistics, redundant experts, rebalancing with weight
-    migration) over the fused-MoE layers of `moes`; `set_eplb_state` is the protocol's own."""
+    migration) over the fused-MoE layers of `moes`."""
 
     def collect_moe_layers(self, moes: list[MoE]) -> None:
         self.moe_layers = [m.experts for m in moes]
@@ -137,6 +149,12 @@ class DeepseekMixtureOfExperts(MixtureOfExperts):
         self.num_local_physical_experts = first.local_num_experts
         self.num_redundant_experts = self.num_physical_experts - self.num_logical_experts
         self.num_shared_experts = 1 if moes[0].shared_experts is not None else 0
+
+    def set_eplb_state(self, expert_load_view: torch.Tensor, logical_to_physical_map: torch.Tensor,
+                       logical_replica_count: torch.Tensor) -> None:
+        """The protocol's registration, then every expert tensor handed to EPLB as an NCCL-movable view."""
+        super().set_eplb_state(expert_load_view, logical_to_physical_map, logical_replica_count)
+        self.expert_weights = [[eplb_transfer_view(w) for w in layer] for layer in self.expert_weights]
 
     def update_physical_experts_metadata(self, num_physical_experts: int, num_local_physical_experts: int) -> None:
         if num_local_physical_experts != self.num_local_physical_experts:

@@ -24,6 +24,7 @@ def apply_all() -> None:
     check_vllm_version()
     cpu_platform.apply()
     importlib.import_module("vllm_deepinfer.patches.cpu_dist_version").apply()
+    importlib.import_module("vllm_deepinfer.patches.cpu_gatherv").apply()
     importlib.import_module("vllm_deepinfer.patches.so_args_request").apply()
     importlib.import_module("vllm_deepinfer.patches.empty_messages").apply()
     importlib.import_module("vllm_deepinfer.patches.xgrammar_token_cache").apply()

@@ -1,0 +1,142 @@
+"""Data-parallel attention + expert-parallel MoE on CPU through vLLM's own launcher.
+
+`vllm serve --data-parallel-size 2 --enable-expert-parallel` starts a DP coordinator and two engine-core
+processes (one worker each; `VLLM_CPU_OMP_THREADS_BIND="0|1"` gives each its own core); vLLM places 4 of the
+8 experts on each rank and exchanges tokens with its allgather/reduce-scatter all2all manager, which on CPU
+needs `patches/cpu_gatherv.py` (vLLM 0.32's CPU communicator has no `all_gatherv`/`reduce_scatterv`).
+The greedy tokens of tiny V4 (hash layers) and V4.1 (`bias_vl`) checkpoints in fp32 must equal one in-process
+engine's, logprobs to 1e-4 (each rank sums its experts' share, the reduce-scatter adds the two): first one
+request alone (the other rank has none and runs vLLM's dummy batches through the same MoE collectives), then
+three at once (the ranks get 2 and 1 requests of different lengths and finish at different steps).
+
+Offline `LLM(data_parallel_size=2)` is refused by vLLM itself (asserted below); vLLM points to its
+multi-process example (one `LLM` per rank with VLLM_DP_RANK/VLLM_DP_SIZE), which runs the same engine path.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import re
+
+import pytest
+
+from tests.conftest import Server, engine, free_port, tiny_checkpoint
+
+httpx = pytest.importorskip("httpx")
+
+PROMPTS = [list(range(5, 5 + n)) for n in (7, 40, 130)]
+MAX_TOKENS = 12
+LIMITS = ["--max-model-len", "2048", "--max-num-batched-tokens", "2048", "--max-num-seqs", "16", "--seed", "0"]
+
+
+def _reference(ckpt) -> list[tuple[list[int], list[float]]]:
+    """One in-process engine: (greedy tokens, their logprobs) per prompt."""
+    from vllm import SamplingParams
+
+    with engine(ckpt, max_model_len=2048, max_num_batched_tokens=2048) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                            SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=1), use_tqdm=False)
+    return [(list(o.outputs[0].token_ids),
+             [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]) for o in outs]
+
+
+def _complete(server: Server, prompt: list[int]) -> tuple[list[int], list[float]]:
+    """/v1/completions on token ids, greedy: (tokens, their logprobs)."""
+    r = httpx.post(server.url + "/v1/completions", timeout=300, json={
+        "model": server.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+        "logprobs": 1, "return_token_ids": True})
+    r.raise_for_status()
+    choice = r.json()["choices"][0]
+    return choice["token_ids"], choice["logprobs"]["token_logprobs"]
+
+
+def _same(got: tuple[list[int], list[float]], want: tuple[list[int], list[float]]) -> None:
+    assert got[0] == want[0]
+    assert max(abs(a - b) for a, b in zip(got[1], want[1], strict=True)) < 1e-4
+
+
+@pytest.mark.parametrize("arch", ["v4-flash", "v4.1-flash"])
+def test_dp2_ep2_serve_matches_one_process(ckpt_root, tmp_path, arch):
+    ckpt = tiny_checkpoint(ckpt_root, arch)
+    want = _reference(ckpt)
+    server = Server(ckpt, free_port(), tmp_path / "server.log",
+                    ["--data-parallel-size", "2", "--enable-expert-parallel", "--api-server-count", "1", *LIMITS],
+                    env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    try:
+        server.wait_ready(timeout=600)
+        _same(_complete(server, PROMPTS[1]), want[1])  # one rank busy, the other on dummy batches
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            got = list(pool.map(lambda p: _complete(server, p), PROMPTS))
+    finally:
+        server.stop()
+    for g, w in zip(got, want, strict=True):
+        _same(g, w)
+    log = server.log.read_text()
+    placement = re.findall(r"\[EP Rank (\d)/2\] Expert parallelism is enabled.*?Local/global number of experts: "
+                           r"(\d+)/(\d+)\. Experts local to global index map: ([0-9>, -]+)\.", log)
+    assert sorted(placement) == [("0", "4", "8", "0->0, 1->1, 2->2, 3->3"), ("1", "4", "8", "0->4, 1->5, 2->6, 3->7")]
+    assert log.count("Using allgather_reducescatter all2all manager") == 2
+
+
+def test_offline_llm_data_parallel_refused(ckpt_root):
+    from vllm import LLM
+
+    refusal = ("LLM(data_parallel_size=2) is not supported for single-process usage and may hang. Please use the "
+               "explicit multi-process data-parallel example at "
+               "'examples/features/data_parallel/data_parallel_offline.py'.")
+    with pytest.raises(ValueError, match=re.escape(refusal)):
+        LLM(model=str(tiny_checkpoint(ckpt_root, "v4.1-flash")), data_parallel_size=2)
+
+
+def _collectives_worker(rank: int, port: int, failures) -> None:
+    """One gloo rank of `test_cpu_gatherv_exact`: vLLM's CpuCommunicator with the patch, against local math."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+    from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
+
+    from vllm_deepinfer.patches import cpu_gatherv
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        cpu_gatherv.apply()
+        comm = CpuCommunicator(dist.group.WORLD, device_group=dist.group.WORLD, unique_name="dp:0")
+
+        def rows(r: int, n: int, dtype: torch.dtype) -> torch.Tensor:  # rank r's [n, 3] input
+            g = torch.Generator().manual_seed(100 * r + n)
+            return (torch.randn(n, 3, generator=g) * 1e3).to(dtype)
+
+        for sizes in ([3, 0], [0, 2], [2, 5], [4, 4], None):
+            counts = sizes or [4, 4]
+            for dtype in (torch.float32, torch.int32):
+                mine = rows(rank, counts[rank], dtype)
+                want = torch.cat([rows(r, n, dtype) for r, n in enumerate(counts)])
+                got = comm.all_gatherv([mine, mine[:, :1]], dim=0, sizes=sizes)
+                assert torch.equal(got[0], want) and torch.equal(got[1], want[:, :1]), (sizes, dtype)
+            full = [rows(r, sum(counts), torch.float32) for r in range(2)]
+            start = sum(counts[:rank])
+            want = (full[0] + full[1])[start: start + counts[rank]]
+            assert torch.equal(comm.reduce_scatterv(full[rank], dim=0, sizes=sizes), want), sizes
+            assert torch.equal(comm.reduce_scatterv(full[rank].t(), dim=1, sizes=sizes), want.t()), sizes
+    except Exception as e:  # reported to the parent, which fails the test
+        failures.put(f"rank {rank}: {type(e).__name__}: {e}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_cpu_gatherv_exact():
+    """The patched all_gatherv / reduce_scatterv on two gloo ranks: uneven and empty shares, lists, int ids."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    failures = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_collectives_worker, args=(r, port, failures)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert failures.empty(), failures.get()
