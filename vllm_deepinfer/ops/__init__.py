@@ -145,9 +145,23 @@ def invariant_requested(vllm_config=None) -> bool:
 
 
 def configure_invariant(vllm_config=None) -> bool:
-    """Set batch-invariant mode for the ops of this process (read once, at model construction)."""
-    reference.BATCH_INVARIANT = invariant_requested(vllm_config)
-    return reference.BATCH_INVARIANT
+    """Set batch-invariant mode for the ops of this process (read once, at model construction).
+
+    On CUDA it also selects the fixed-tile variants of `kernels_nvidia` (the module flags that
+    `KERNELS_NVIDIA_BATCH_INVARIANT=1` sets): the FP8 block GEMM keeps its direct kernel for every M
+    (no dequant + cuBLAS above `DIRECT_MAX_M`), sparse attention always takes the gather form and
+    never splits a token's key reduction.
+    """
+    on = invariant_requested(vllm_config)
+    reference.BATCH_INVARIANT = on
+    if torch.cuda.is_available() and KERNELS != "reference":
+        try:
+            from kernels_nvidia import attention, gemm
+        except ImportError:  # no Triton: the reference ops run (their invariant variants)
+            return on
+        fixed = on or os.environ.get("KERNELS_NVIDIA_BATCH_INVARIANT") == "1"
+        gemm.BATCH_INVARIANT = attention.BATCH_INVARIANT = fixed
+    return on
 
 
 def batch_invariant() -> bool:
