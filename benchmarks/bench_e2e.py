@@ -13,6 +13,11 @@ engine starts and --no-jit-warmup):
     formats: ours with DEEPINFER_FP8_LINEARS=packed DEEPINFER_EXPERT_STORAGE=packed (--storage), in-tree with the
     config's quantization_config (FP8 block linears, MXFP4 experts). Each implementation in its own subprocess,
     one after the other; in-tree with DEEPINFER_DISABLE=1. Eager: --enforce-eager. One side: --only ours|intree.
+
+Batch-invariant cost (issue 12): --invariant compares the plugin with DEEPINFER_BATCH_INVARIANT=1 ("invariant")
+against the plugin's default ("ours"), same protocol; the ratio column is invariant/ours (goal >= 0.9):
+
+    python3 benchmarks/bench_e2e.py --invariant --decode-batches 1,16,64 --out $OUT/bench_invariant --no-jit-warmup
     V4-Flash: --arch v4-flash (256 experts top-6). Other configs: --layers, --set key=JSON (make_checkpoint).
 
 CPU smoke test (no GPU; tiny widths, same protocol structure, small sizes; ~2-3 min):
@@ -358,7 +363,7 @@ def profile(a, timed, prefill_ns, decode_bs) -> dict:
 # ============================================================================ driver
 def table(results: dict, impls: list[str]) -> str:
     rows = []
-    head = "| phase | size | " + " | ".join(impls) + (" | ours/intree |" if len(impls) == 2 else " |")
+    head = "| phase | size | " + " | ".join(impls) + (f" | {impls[0]}/{impls[1]} |" if len(impls) == 2 else " |")
     rows += [head, "|" + "---|" * (head.count("|") - 1)]
 
     def line(label, size, key, sub, unit):
@@ -366,8 +371,8 @@ def table(results: dict, impls: list[str]) -> str:
         cells = [f"{v:,.0f}" if isinstance(v, (int, float)) and math.isfinite(v) else "–" for v in vals]
         ratio = ""
         if len(impls) == 2:
-            o, t = (results.get("ours", {}).get(key, {}).get(size, {}).get(sub),
-                    results.get("intree", {}).get(key, {}).get(size, {}).get(sub))
+            o, t = (results.get(impls[0], {}).get(key, {}).get(size, {}).get(sub),
+                    results.get(impls[1], {}).get(key, {}).get(size, {}).get(sub))
             ratio = f" {o / t:.2f} |" if o and t and math.isfinite(o / t) else " – |"
         rows.append(f"| {label} | {size} {unit} | " + " | ".join(cells) + (" |" + ratio if ratio else " |"))
 
@@ -389,7 +394,9 @@ def main(argv=None) -> int:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=JSON",
                    help="config override as in make_checkpoint --set (repeatable)")
     p.add_argument("--model", default=None, help="existing model dir (config + tokenizer); default: written")
-    p.add_argument("--only", choices=["ours", "intree"], default=None)
+    p.add_argument("--only", choices=["ours", "intree", "invariant"], default=None)
+    p.add_argument("--invariant", action="store_true",
+                   help="plugin with DEEPINFER_BATCH_INVARIANT=1 vs the plugin's default (instead of vs in-tree)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--storage", choices=["packed", "bf16", "auto"], default="packed",
                    help="ours: DEEPINFER_FP8_LINEARS / DEEPINFER_EXPERT_STORAGE (packed = the formats in-tree holds)")
@@ -419,7 +426,7 @@ def main(argv=None) -> int:
                    help="only print the table of DIR/ours.json and DIR/intree.json (e.g. two device calls)")
     # worker-only
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--impl", choices=["ours", "intree"], help=argparse.SUPPRESS)
+    p.add_argument("--impl", choices=["ours", "intree", "invariant"], help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--trace-dir", default=None, help="also export chrome traces of the profiled calls here")
     a = p.parse_args(argv)
@@ -451,9 +458,9 @@ def main(argv=None) -> int:
                                                           a.layers, _parse_set(a.arch, a.overrides))
     print(f"model dir {model} (config + tokenizer, dummy weights)", flush=True)
     print("\n".join(layer_split(model)), flush=True)
-    impls = [a.only] if a.only else ["ours", "intree"]
+    impls = [a.only] if a.only else ["invariant", "ours"] if a.invariant else ["ours", "intree"]
     fwd = list(argv if argv is not None else sys.argv[1:])
-    skip = {"--only", "--out", "--model", "--timeout", "--set"}
+    skip = {"--only", "--out", "--model", "--timeout", "--set", "--invariant"}
     passthru, i = [], 0
     while i < len(fwd):
         x = fwd[i]
@@ -470,6 +477,7 @@ def main(argv=None) -> int:
             env["DEEPINFER_DISABLE"] = "1"
         else:
             env.pop("DEEPINFER_DISABLE", None)
+            env["DEEPINFER_BATCH_INVARIANT"] = "1" if impl == "invariant" else "0"
             if a.storage != "auto":
                 env["DEEPINFER_FP8_LINEARS"] = env["DEEPINFER_EXPERT_STORAGE"] = a.storage
         cmd = [sys.executable, str(HERE), "--worker", "--impl", impl, "--model", str(model), "--result", str(rpath),
@@ -519,13 +527,14 @@ def report(out: Path, results: dict, impls: list[str], args: dict, model_dir: st
     """Print the ours / in-tree table with ratios and write `out/results.json`."""
     tbl = table(results, impls)
     print("\n" + tbl)
-    summary = {"args": args, "model_dir": model_dir, "table": tbl, "ratio_ours_over_intree": {}, "results": results}
-    if len(impls) == 2 and "ours" in results and "intree" in results:
+    summary = {"args": args, "model_dir": model_dir, "table": tbl, "results": results}
+    if len(impls) == 2 and impls[0] in results and impls[1] in results:
+        ratios = summary[f"ratio_{impls[0]}_over_{impls[1]}"] = {}
         for ph in ("prefill", "decode"):
-            for s, r in results["ours"].get(ph, {}).items():
-                t = results["intree"].get(ph, {}).get(s)
+            for s, r in results[impls[0]].get(ph, {}).items():
+                t = results[impls[1]].get(ph, {}).get(s)
                 if t and t.get("tok_s") and math.isfinite(r.get("tok_s") or math.nan):
-                    summary["ratio_ours_over_intree"][f"{ph}_{s}"] = r["tok_s"] / t["tok_s"]
+                    ratios[f"{ph}_{s}"] = r["tok_s"] / t["tok_s"]
     _dump(out / "results.json", summary)
     print(f"\nresults: {out / 'results.json'}")
     return 0 if all(results.get(i, {}).get("rc", 0) == 0 for i in impls) else 1

@@ -33,22 +33,24 @@ def ckpt_root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("checkpoints")
 
 
-def tiny_checkpoint(root: Path, arch: str, seed: int = 0, **config_overrides) -> Path:
+def tiny_checkpoint(root: Path, arch: str, seed: int = 0, layers: int | None = None, **config_overrides) -> Path:
     """A tiny checkpoint of `arch` ("v4-flash" / "v4.1-flash"), generated once per session.
 
+    `layers` keeps the tiny layer pattern at another depth (`make_checkpoint`'s `layers`);
     `config_overrides` edit config.json (the text config for V4.1) of a copy of the base checkpoint.
     """
     from vllm_deepinfer.tools.make_checkpoint import make_checkpoint
 
-    key = (arch, seed, tuple(sorted(config_overrides.items())))
+    key = (arch, seed, layers, tuple(sorted(config_overrides.items())))
     if key in _CACHE:
         return _CACHE[key]
-    base_key = (arch, seed, ())
+    base_key = (arch, seed, layers, ())
+    name = f"{arch}-s{seed}" + (f"-l{layers}" if layers is not None else "")
     if base_key not in _CACHE:
-        _CACHE[base_key] = Path(make_checkpoint(arch, "tiny", root / f"{arch}-s{seed}", seed=seed))
+        _CACHE[base_key] = Path(make_checkpoint(arch, "tiny", root / name, layers=layers, seed=seed))
     if not config_overrides:
         return _CACHE[base_key]
-    out = root / (f"{arch}-s{seed}-" + "-".join(f"{k}{v}" for k, v in sorted(config_overrides.items())))
+    out = root / (f"{name}-" + "-".join(f"{k}{v}" for k, v in sorted(config_overrides.items())))
     shutil.copytree(_CACHE[base_key], out)
     cfg = json.loads((out / "config.json").read_text())
     (cfg.get("text_config") or cfg).update(config_overrides)

@@ -7,7 +7,7 @@ import pytest
 from vllm_deepinfer.serving import settings
 
 
-@pytest.mark.parametrize("name", ["DEEPINFER_BATCH_INVARIANT", "DEEPINFER_ENABLE_MTP_VARLEN", "DEEPINFER_USE_NEXTN_DECODE",
+@pytest.mark.parametrize("name", ["DEEPINFER_ENABLE_MTP_VARLEN", "DEEPINFER_USE_NEXTN_DECODE",
                                   "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS"])
 def test_unsupported_rejected_with_reason_off_accepted(name):
     with pytest.raises(settings.DeepInferSettingError, match=f"{name}.*not (supported|implemented)"):
@@ -62,3 +62,9 @@ def test_every_readme_setting_has_a_decision():
               "DEEPINFER_EXPERT_STORAGE", "DEEPINFER_ENGRAM_DEVICE"}
     assert readme == set(settings.SETTINGS)
     assert all(s.reason and s.vllm_equivalent for s in settings.SETTINGS.values())
+
+
+def test_batch_invariant_honoured():
+    assert settings.check({"DEEPINFER_BATCH_INVARIANT": "1"}, platform_device="cpu") == [
+        "DEEPINFER_BATCH_INVARIANT: batch-invariant mode"]
+    assert settings.check({"DEEPINFER_BATCH_INVARIANT": "0"}, platform_device="cpu") == ["DEEPINFER_BATCH_INVARIANT: off"]

@@ -176,6 +176,8 @@ class DeepseekForCausalLM(nn.Module, DeepseekMixtureOfExperts):
                     self.arch.family, self.arch.num_layers, ops.backend_for(torch.empty(0, device=vllm_config.device_config.device)))
         self.arch.check_tensor_parallel(get_tensor_model_parallel_world_size())
         numerics = quant.configure()
+        if ops.configure_invariant(vllm_config):
+            logger.info("vllm-deepinfer: batch-invariant mode (DEEPINFER_BATCH_INVARIANT)")
         self.model = DeepseekModel(vllm_config, self.arch, prefix="model")
         self.collect_moe_layers([layer.ffn for layer in self.model.layers])
         if ops.packed_storage(ops.FP8_LINEARS_ENV, torch.device(vllm_config.device_config.device).type):
@@ -199,6 +201,9 @@ class DeepseekForCausalLM(nn.Module, DeepseekMixtureOfExperts):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        if ops.batch_invariant():  # vLLM's head GEMM rounds by the number of rows
+            logits = self.logits_processor._gather_logits(ops.linear(hidden_states, self.lm_head.weight))
+            return None if logits is None else logits[..., : self.arch.vocab_size]
         return self.logits_processor(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -134,7 +134,7 @@ class Engram(nn.Module):
         xn = ops.rms_norm(streams, None, self.eps).float()
         kn = ops.rms_norm(keys, None, self.eps).float()
         dot = (xn * kn * (self.q_weight.float() * self.k_weight.float())).sum(-1) / self.hidden ** 0.5
-        gate = torch.sigmoid(dot.sign() * dot.abs().clamp(min=1e-6).sqrt())   # [T, h]
+        gate = ops.elementwise(torch.sigmoid, dot.sign() * dot.abs().clamp(min=1e-6).sqrt())   # [T, h]
         if self.image_token_id >= 0:
             ids = batch.token_ids
             is_image = (ids >= self.image_token_id) & (ids < self.image_token_id + IMAGE_TOKEN_SPAN)

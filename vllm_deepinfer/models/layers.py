@@ -80,9 +80,10 @@ class _DeepInferLinear:
         """After the loader filled a packed weight: move it to Marlin's layout where Marlin serves it (CUDA,
         bf16/fp16 activations, K on 32-element groups), freeing the E4M3 codes and block bytes. The grouped
         `wo_a` stays on `ops.linear_fp8_block` (one launch for all groups: 41 vs 105 us for the 8 Marlin
-        calls at V4.1 widths on the H200, benchmarks/results/gpu_e2e/2026-12-01b/bench_linears.log)."""
-        if self.scale is None or self.groups > 1 or not marlin.supported(self.weight.device, self._packed_dtype,
-                                                                         self.weight.shape[1], self.block):
+        calls at V4.1 widths on the H200, benchmarks/results/gpu_e2e/2026-12-01b/bench_linears.log), and so
+        does every linear in batch-invariant mode (Marlin picks its kernel configuration by M)."""
+        if self.scale is None or self.groups > 1 or ops.batch_invariant() or not marlin.supported(
+                self.weight.device, self._packed_dtype, self.weight.shape[1], self.block):
             return
         self.marlin = marlin.MarlinFP8.from_packed(self.weight.data, self.scale.data, self.block, self.groups,
                                                    self._packed_dtype)

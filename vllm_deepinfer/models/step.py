@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import torch
 from vllm.forward_context import get_forward_context, is_forward_context_available
 
+from vllm_deepinfer import ops
 from vllm_deepinfer.attention.backend import PagedCacheMetadata
 from vllm_deepinfer.attention.caches import PagedCache
 
@@ -47,6 +48,12 @@ class StepBatch:
     rows, `live` [n_dec] False for the padding of a captured CUDA graph), which reads no host copy of
     the batch layout. `spans` are the remaining requests (prefill chunks), handled one by one; a
     uniform decode step has none and is what vLLM captures as a full CUDA graph.
+
+    Batch-invariant mode (`ops.batch_invariant()`): every token takes the fixed-shape per-token path
+    (`req[i]` = the request of token i, `spans` empty), so a token's keys, index scores, selection and
+    pooled groups are computed by the same ops in the same order whether it is decoded, prefilled,
+    or recomputed, and whatever chunk it falls in. The path writes every token's cache rows before
+    reading any, so a request's earlier tokens of the same step are visible to its later ones.
     """
 
     token_ids: torch.Tensor
@@ -99,6 +106,12 @@ class StepBatch:
             live[:n] = meta.seq_lens[:n] > 0
             return cls(token_ids, positions, [], attn_metadata, n_dec=t, req=torch.arange(t, device=dev), live=live)
         qsl = meta.query_start_loc[: meta.num_reqs + 1]                 # host tensor
+        if ops.batch_invariant():
+            counts = qsl[1:] - qsl[:-1]
+            req = torch.repeat_interleave(torch.arange(meta.num_reqs), counts)
+            live = torch.arange(t) < req.numel()
+            req = torch.nn.functional.pad(req, (0, t - req.numel()))
+            return cls(token_ids, positions, [], attn_metadata, n_dec=t, req=req.to(dev), live=live.to(dev))
         one = (qsl[1:] - qsl[:-1]) == 1
         n_dec = int(torch.cumprod(one.long(), 0).sum()) if one.numel() else 0
         firsts = positions[qsl[:-1].clamp(max=max(positions.numel() - 1, 0)).to(positions.device)].tolist()

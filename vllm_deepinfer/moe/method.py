@@ -49,7 +49,9 @@ def expert_storage(expert_dtype: str, value: str | None = None) -> str:
 def expert_method(moe: FusedMoEConfig, expert_dtype: str) -> FusedMoEMethodBase:
     """The fused-MoE method of a routed-experts layer (table in the module docstring)."""
     packed = expert_storage(expert_dtype) == "packed"
-    if not current_platform.is_cuda():
+    if not current_platform.is_cuda() or ops.batch_invariant():
+        # batch-invariant mode: vLLM's fused-MoE kernels pick tiles / split-K by the token count; the
+        # plugin's experts have fixed tiles (`kernels_nvidia.moe` for packed MXFP4, `matmul_invariant` for bf16)
         return TorchMoEMethod(moe, packed)
     if packed:
         from vllm.model_executor.layers.quantization.mxfp4 import Mxfp4MoEMethod

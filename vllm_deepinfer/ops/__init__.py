@@ -21,6 +21,7 @@ import torch
 
 from vllm_deepinfer.ops import reference
 from vllm_deepinfer.ops.reference import (  # noqa: F401  (reference-only ops)
+    elementwise,
     grouped_low_rank,
     hc_head_weights,
     linear,
@@ -148,6 +149,44 @@ def routed_experts(x, ids, weights, w13, w2, limit):
 
 def routed_experts_packed(x, ids, weights, w13, w13_scale, w2, w2_scale, limit, fmt="mxfp4"):
     return _dispatch("routed_experts_packed", x, x, ids, weights, w13, w13_scale, w2, w2_scale, limit, fmt)
+
+
+INVARIANT_ENV = "DEEPINFER_BATCH_INVARIANT"
+INVARIANT_OPTION = "deepinfer_batch_invariant"  # --additional-config '{"deepinfer_batch_invariant": true}'
+
+
+def invariant_requested(vllm_config=None) -> bool:
+    """Whether batch-invariant mode is asked for: `DEEPINFER_BATCH_INVARIANT` on, or the vLLM option
+    `--additional-config '{"deepinfer_batch_invariant": true}'` (`vllm_config.additional_config`)."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    if INVARIANT_OPTION in extra:
+        return bool(extra[INVARIANT_OPTION])
+    return os.environ.get(INVARIANT_ENV, "").strip().lower() not in ("", "0", "false", "no", "off", "none")
+
+
+def configure_invariant(vllm_config=None) -> bool:
+    """Set batch-invariant mode for the ops of this process (read once, at model construction).
+
+    On CUDA it also selects the fixed-tile variants of `kernels_nvidia` (the module flags that
+    `KERNELS_NVIDIA_BATCH_INVARIANT=1` sets): the FP8 block GEMM keeps its direct kernel for every M
+    (no dequant + cuBLAS above `DIRECT_MAX_M`), sparse attention always takes the gather form and
+    never splits a token's key reduction.
+    """
+    on = invariant_requested(vllm_config)
+    reference.BATCH_INVARIANT = on
+    if torch.cuda.is_available() and KERNELS != "reference":
+        try:
+            from kernels_nvidia import attention, gemm
+        except ImportError:  # no Triton: the reference ops run (their invariant variants)
+            return on
+        fixed = on or os.environ.get("KERNELS_NVIDIA_BATCH_INVARIANT") == "1"
+        gemm.BATCH_INVARIANT = attention.BATCH_INVARIANT = fixed
+    return on
+
+
+def batch_invariant() -> bool:
+    """Whether ops run their batch-invariant variants (see `configure_invariant`)."""
+    return reference.BATCH_INVARIANT
 
 
 FP8_LINEARS_ENV = "DEEPINFER_FP8_LINEARS"

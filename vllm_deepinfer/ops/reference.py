@@ -6,16 +6,61 @@ against. Shapes use T = tokens, H = heads, h = residual streams, D = hidden size
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 from vllm_deepinfer.checkpoint.formats import dequant_fp8_block, dequant_mxfp4, e8m0_decode
 
+# Batch-invariant mode (`DEEPINFER_BATCH_INVARIANT`): set by `vllm_deepinfer.ops.configure_invariant`.
+BATCH_INVARIANT = False
+INVARIANT_ROWS = 16  # row tile of `matmul_invariant`
+
+
+def elementwise(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn(x) for an elementwise transcendental fn (sigmoid, silu, rsqrt, softplus), any shape.
+
+    Batch-invariant mode on CPU: torch's vectorized loop and its scalar tail loop round these
+    functions differently, and which elements fall in the tail (the last numel % vector width of
+    each thread's chunk) depends on the batch. The input is flattened and zero-padded to a multiple
+    of 16 floats per possible thread chunk, so every element takes the vectorized loop.
+    """
+    if not BATCH_INVARIANT or x.device.type != "cpu":
+        return fn(x)
+    n = x.numel()
+    pad = -n % (16 * math.lcm(*range(1, torch.get_num_threads() + 1)))
+    return fn(F.pad(x.reshape(-1), (0, pad)))[:n].view(x.shape)
+
+
+# ----------------------------------------------------------------------------- GEMM
+def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x W^T. x: [M, K]; w: [N, K] -> [M, N]; `matmul_invariant` in batch-invariant mode."""
+    return matmul_invariant(x, w) if BATCH_INVARIANT else x @ w.t()
+
+
+def matmul_invariant(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x W^T where row i depends only on x[i] and W, bitwise, whatever M. x: [M, K]; w: [N, K] -> [M, N].
+
+    Torch GEMMs round by M (CPU: MKL/oneDNN pick other kernels for M = 1 and small M; CUDA: cuBLAS
+    picks tiles and split-K by M). CPU: rows padded to tiles of INVARIANT_ROWS, one bmm of equal
+    [16, K] x [K, N] products (a row's result does not depend on its slot in the tile, checked in
+    tests/test_batch_invariance.py). CUDA: vLLM's batch-invariant persistent Triton GEMM (fixed tiles,
+    no split-K).
+    """
+    if x.is_cuda:
+        from vllm.model_executor.determinism.batch_invariant import matmul_batch_invariant
+
+        return matmul_batch_invariant(x, w.t())
+    m, r = x.shape[0], INVARIANT_ROWS
+    tiles = F.pad(x, (0, 0, 0, -m % r)).view(-1, r, x.shape[1])
+    return torch.bmm(tiles, w.t().unsqueeze(0).expand(tiles.shape[0], -1, -1)).view(-1, w.shape[0])[:m]
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) * weight, computed in fp32; returns x.dtype. x: [..., n]."""
     xf = x.float()
-    y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    y = xf * elementwise(torch.rsqrt, xf.square().mean(-1, keepdim=True) + eps)
     if weight is not None:
         y = y * weight.float()
     return y.to(x.dtype)
@@ -34,10 +79,10 @@ def hc_coefficients(
     """
     t, h, _ = streams.shape
     v = streams.reshape(t, -1).float()
-    mu = (v @ fn.float().t()) * torch.rsqrt(v.square().mean(-1, keepdim=True) + rms_eps)
+    mu = matmul(v, fn.float()) * elementwise(torch.rsqrt, v.square().mean(-1, keepdim=True) + rms_eps)
     base, scale = base.float(), scale.float()
-    pre = torch.sigmoid(mu[:, :h] * scale[0] + base[:h]) + hc_eps
-    post = 2.0 * torch.sigmoid(mu[:, h:2 * h] * scale[1] + base[h:2 * h])
+    pre = elementwise(torch.sigmoid, mu[:, :h] * scale[0] + base[:h]) + hc_eps
+    post = 2.0 * elementwise(torch.sigmoid, mu[:, h:2 * h] * scale[1] + base[h:2 * h])
     logits = (mu[:, 2 * h:] * scale[2] + base[2 * h:]).view(t, h, h)
     comb = torch.softmax(logits, dim=-1) + hc_eps
     comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
@@ -49,12 +94,24 @@ def hc_coefficients(
 
 def hc_collapse(streams: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """u = sum_j w_j X_j with fp32 accumulation. streams: [T, h, D]; weights: [T, h] -> [T, D]."""
+    if BATCH_INVARIANT:  # the einsum's bmm rounds by T: a fixed-order sum over the h streams instead
+        x, w = streams.float(), weights.float()
+        out = x[:, 0] * w[:, :1]
+        for j in range(1, x.shape[1]):
+            out = out + x[:, j] * w[:, j:j + 1]
+        return out.to(streams.dtype)
     return torch.einsum("thd,th->td", streams.float(), weights.float()).to(streams.dtype)
 
 
 def hc_expand(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """X'_k = post_k * y + sum_j comb[j, k] X_j. streams: [T, h, D]; y: [T, D] -> [T, h, D]."""
-    mixed = torch.einsum("tjk,tjd->tkd", comb.float(), streams.float())
+    if BATCH_INVARIANT:  # fixed-order sum over the source streams j (the einsum's bmm rounds by T)
+        x, c = streams.float(), comb.float()
+        mixed = c[:, 0].unsqueeze(-1) * x[:, :1]
+        for j in range(1, x.shape[1]):
+            mixed = mixed + c[:, j].unsqueeze(-1) * x[:, j:j + 1]
+    else:
+        mixed = torch.einsum("tjk,tjd->tkd", comb.float(), streams.float())
     return (mixed + post.float().unsqueeze(-1) * y.float().unsqueeze(1)).to(streams.dtype)
 
 
@@ -63,8 +120,8 @@ def hc_head_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor,
     """V4 final collapse weights: sigmoid(mu * scale + base) + eps. streams: [T, h, D] -> [T, h]."""
     t = streams.shape[0]
     v = streams.reshape(t, -1).float()
-    mu = (v @ fn.float().t()) * torch.rsqrt(v.square().mean(-1, keepdim=True) + rms_eps)
-    return torch.sigmoid(mu * scale.float()[0] + base.float()) + hc_eps
+    mu = matmul(v, fn.float()) * elementwise(torch.rsqrt, v.square().mean(-1, keepdim=True) + rms_eps)
+    return elementwise(torch.sigmoid, mu * scale.float()[0] + base.float()) + hc_eps
 
 
 # ----------------------------------------------------------------------------- RoPE
@@ -113,6 +170,9 @@ def grouped_low_rank(o: torch.Tensor, wo_a: torch.Tensor, groups: int) -> torch.
     """Grouped (block-diagonal) low-rank projection. o: [T, H, d] or [T, H*d]; wo_a: [G*R, H*d/G] -> z [T, G*R]."""
     t = o.shape[0]
     og = o.reshape(t, groups, -1)
+    if BATCH_INVARIANT:  # the einsum is a bmm over groups with M = T
+        return torch.cat([matmul_invariant(og[:, g], w) for g, w in enumerate(wo_a.view(groups, -1, og.shape[-1]))],
+                         dim=1)
     return torch.einsum("tgk,grk->tgr", og, wo_a.view(groups, -1, og.shape[-1])).reshape(t, -1)
 
 
@@ -120,7 +180,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, groups: int = 1) -> torch.Tensor:
     """y = x W^T. x: [T, G*K]; w: [N, K] -> [T, N]; groups = G > 1: block-diagonal product
     (`grouped_low_rank`, the grouped `wo_a`)."""
     if groups == 1:
-        return x @ w.t()
+        return matmul(x, w)
     return grouped_low_rank(x.view(x.shape[0], groups, -1), w, groups)
 
 
@@ -179,7 +239,7 @@ def sqrtsoftplus_route(logits: torch.Tensor, bias: torch.Tensor | None, topk: in
     ties to the lower expert id (stable sort; torch.topk leaves tie order unspecified); weights are the
     unbiased scores renormalised to sum to `scale`.
     """
-    scores = torch.sqrt(F.softplus(logits.float()))
+    scores = torch.sqrt(elementwise(F.softplus, logits.float()))
     if forced is not None:
         ids = forced.long()
     else:
@@ -198,12 +258,12 @@ def swiglu_clamped(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torc
     xa = act(x)
     a = _mm(xa, w1).float().clamp(max=limit)
     b = _mm(xa, w3).float().clamp(-limit, limit)
-    return _mm(act((F.silu(a) * b).to(x.dtype)), w2)
+    return _mm(act((elementwise(F.silu, a) * b).to(x.dtype)), w2)
 
 
 def _mm(x: torch.Tensor, w) -> torch.Tensor:
     """x W^T for a weight tensor W, or w(x) for a callable (a packed linear's product)."""
-    return w(x) if callable(w) else x @ w.t()
+    return w(x) if callable(w) else matmul(x, w)
 
 
 def _grouped_mm_takes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
@@ -262,7 +322,7 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     order = torch.sort(flat, stable=True).indices  # [T*K] assignment t*K+k, grouped by expert
     offs = torch.searchsorted(flat[order], torch.arange(1, w2.shape[0] + 1, device=ids.device), out_int32=True)
     rows = x[order // K]  # [T*K, D]
-    if _grouped_mm_takes(x, w13, w2):
+    if _grouped_mm_takes(x, w13, w2) and not BATCH_INVARIANT:
         h = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offs)  # [T*K, 2I]
         a = h[:, :inter].float().clamp(max=limit)
         b = h[:, inter:].float().clamp(-limit, limit)

@@ -29,3 +29,4 @@ def apply_all() -> None:
     importlib.import_module("vllm_deepinfer.patches.empty_messages").apply()
     importlib.import_module("vllm_deepinfer.patches.xgrammar_token_cache").apply()
     importlib.import_module("vllm_deepinfer.patches.decode_cudagraphs").apply()
+    importlib.import_module("vllm_deepinfer.patches.seeded_sampler").apply()

@@ -13,7 +13,7 @@ always accepted: it asks for what the plugin does anyway.
 | `DEEPINFER_FP8_LINEARS` | honoured: `packed` keeps the FP8 block linears' E4M3 codes + E8M0 scale bytes (half the weight memory): on CUDA with bf16/fp16 activations repacked for vLLM's Marlin W8A16 GEMM (`ops.marlin`, what vLLM's in-tree V4.1 runs on SM90), otherwise the weight-only FP8 GEMM `ops.linear_fp8_block` (on CPU the torch reference op); `bf16` dequantises them at load; `auto` (default) = packed on CUDA, bf16 elsewhere (`vllm_deepinfer.ops.parse_storage`). Read at model construction. An unknown value stops start-up. |
 | `DEEPINFER_EXPERT_STORAGE` | honoured: the routed experts are vLLM's fused-MoE layer; `packed` keeps their MXFP4 codes + E8M0 scales (a quarter of the expert memory): on CUDA vLLM's MXFP4 method (`Mxfp4MoEMethod`, Marlin W4A16 on SM90), off CUDA the plugin's torch experts on the stored bytes (`ops.routed_experts_packed`, for tests); `bf16` dequantises at load (CUDA: vLLM's unquantized method; off CUDA: `ops.routed_experts`); `auto` (default) = packed on CUDA, bf16 elsewhere (`vllm_deepinfer.moe.method.expert_storage`). Read at model construction. An unknown value stops start-up. |
 | `DEEPINFER_ENGRAM_DEVICE` | honoured: where the V4.1 Engram tables live. `host` keeps them in pinned host memory and gathers each step's rows into device staging buffers on a side stream at step start (UVA reads, overlapped with the layers before the Engram layer; CUDA-graph safe); `gpu` keeps them in device memory; `auto` (default) = `host` on CUDA, `gpu` elsewhere (`vllm_deepinfer.ops.parse_engram_device`). Read at model construction; the load logs the bytes on host and device. An unknown value stops start-up. |
-| `DEEPINFER_BATCH_INVARIANT` | rejected when on: the batch-invariant, per-request-seeded sampler is not in the plugin yet. vLLM's `VLLM_BATCH_INVARIANT=1` is not an equivalent (different kernels/sampler, no DeepInfer bitwise guarantee), so it is not silently substituted. |
+| `DEEPINFER_BATCH_INVARIANT` | honoured: `1` turns on batch-invariant mode (the vLLM-style option is `--additional-config '{"deepinfer_batch_invariant": true}'`, which wins over the variable): ops run their batch-invariant variants and the sampler draws seeded tokens with noise keyed by (seed, position) (`vllm_deepinfer/serving/seeded_sampling.py`). Read at model construction. vLLM's `VLLM_BATCH_INVARIANT=1` is not an equivalent (different kernels/sampler, crashes on CPU) and is never substituted. |
 | `DEEPINFER_ENABLE_MTP_VARLEN` | rejected when on: DSpark/MTP variable-length drafting is not in the plugin yet (vLLM equivalent will be `--speculative-config`). |
 | `DEEPINFER_USE_NEXTN_DECODE` | rejected when on: NextN (MTP) decode is speculative decoding, not in the plugin yet (`--speculative-config`). |
 | `DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE` | rejected unless off: V4.1 decoder-side SWA bounded replay (YOCO prefill truncation) is not in the plugin yet; the plugin prefills the full prompt, which is exact. |
@@ -69,8 +69,9 @@ SETTINGS: dict[str, Setting] = {
         Setting("DEEPINFER_ENGRAM_DEVICE", "honoured", "the in-tree Engram's cpu_offload (on by default)",
                 "placement of the V4.1 Engram tables: auto (= host on CUDA), host (pinned host memory, rows "
                 "prefetched each step) or gpu (device memory)"),
-        Setting("DEEPINFER_BATCH_INVARIANT", "reject", "none yet (VLLM_BATCH_INVARIANT is not equivalent)",
-                "the batch-invariant, per-request-seeded sampler is not implemented in vllm-deepinfer yet"),
+        Setting("DEEPINFER_BATCH_INVARIANT", "honoured",
+                "--additional-config '{\"deepinfer_batch_invariant\": true}' (VLLM_BATCH_INVARIANT is not equivalent)",
+                "batch-invariant ops and seeded sampling keyed by (seed, position)"),
         Setting("DEEPINFER_ENABLE_MTP_VARLEN", "reject", "--speculative-config (future)",
                 "DSpark/MTP variable-length speculative decoding is not implemented in vllm-deepinfer yet"),
         Setting("DEEPINFER_USE_NEXTN_DECODE", "reject", "--speculative-config (future)",
@@ -135,6 +136,8 @@ def check(environ: dict[str, str] | None = None, platform_device: str | None = N
                 notes.append(f"{name}: {parse_engram_device(value, device or 'cpu')}")
             except ValueError as e:
                 errors.append(str(e))
+        elif name == "DEEPINFER_BATCH_INVARIANT":
+            notes.append(f"{name}: " + ("off" if _is_off(value) else "batch-invariant mode"))
         elif name == "DEEPINFER_ACCELERATOR":
             if _is_off(value) or value.strip().lower() == "auto":
                 continue
