@@ -23,7 +23,7 @@ from vllm_deepinfer.models.compressor import Compressor
 from vllm_deepinfer.models.indexer import Indexer
 from vllm_deepinfer.models.layers import ColumnLinear, Linear, RMSNorm, RowLinear, _param, head_sharded
 from vllm_deepinfer.models.rope import RotaryTable
-from vllm_deepinfer.models.step import RequestSpan, StepBatch
+from vllm_deepinfer.models.step import RequestSpan, Retained, StepBatch
 from vllm_deepinfer.ops import quant
 
 
@@ -60,9 +60,15 @@ class Attention(nn.Module):
             self.indexer = Indexer(arch, plan, rope, f"{prefix}.indexer", page_bytes)
         # Caches of other layers (V4.1 sharing); set by the model once all layers exist.
         self.kv_source: PagedCache | None = self.compressed_cache
+        # Bounded replay: set by the model on the layers past the cut (window rows below replay_from unwritten).
+        self.past_replay_cut = False
 
-    def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        """x: [T, D] (normalised attention input) -> [T, D]."""
+    def forward(self, x: torch.Tensor, batch: StepBatch, retained: Retained | None = None) -> torch.Tensor:
+        """x: [T, D] (normalised attention input) -> [T, D].
+
+        `retained` (bounded replay, the cut layer): every token's window KV, compressed KV and index keys
+        are written, the queries run on the retained rows only -> [T', D].
+        """
         t = x.shape[0]
         cos, sin = batch.token_cos_sin(self.rope)
         cq = self.q_norm(self.wq_a(x))
@@ -77,6 +83,15 @@ class Attention(nn.Module):
             return torch.zeros_like(x)
         if self.compressor is not None:
             self._compress(x, batch)
+        if retained is not None:
+            for span in batch:
+                self.window_cache.write(batch.meta(self.window_cache), span.req, span.pos(x.device),
+                                        kv[span.start:span.end])
+            r, batch = retained.rows, retained.batch
+            x, cq, q, kv, t = x[r], cq[r], q[r], kv[r], r.shape[0]
+            if not t:  # every token of the step stops at the cut
+                return x
+            cos, sin = batch.token_cos_sin(self.rope)
         selected = None
         if self.indexer is not None:
             selected = self.indexer(x, cq, batch)
@@ -92,7 +107,8 @@ class Attention(nn.Module):
             if nd:
                 out[:nd] = dec
             for span in batch:
-                out[span.start:span.end] = self._attend(q[span.start:span.end], kv[span.start:span.end], span, batch,
+                to_store = None if retained is not None else kv[span.start:span.end]  # cut layer: stored above
+                out[span.start:span.end] = self._attend(q[span.start:span.end], to_store, span, batch,
                                                         None if selected is None else selected[span.start:span.end])
         if self.parity_wo_a:  # V4 fp8_einsum wo_a input: fp32 inverse RoPE, then per head 1x128 UE8M0
             out = quant.act_roundtrip(ops.apply_rope(out.float(), cos, sin, inverse=True), 128,
@@ -114,19 +130,22 @@ class Attention(nn.Module):
         if self.indexer is not None and self.indexer.key_cache is not None:
             self.indexer.write_keys(x, batch, latents=closed)
 
-    def _attend(self, q: torch.Tensor, kv: torch.Tensor, span: RequestSpan, batch: StepBatch,
+    def _attend(self, q: torch.Tensor, kv: torch.Tensor | None, span: RequestSpan, batch: StepBatch,
                 selected: torch.Tensor | None) -> torch.Tensor:
-        """Attention of one request's queries q [n, H, d] over its window and compressed rows.
+        """Attention of one request's queries q [n, H, d] over its window and compressed rows; kv [n, d]
+        are the span's window rows to store (None: stored already).
 
         Keys are the request's window rows (positions lo..last) followed by its compressed rows;
         each query gets the ids of its own keys: its last W positions and its selected (or, for
-        HCA, all visible) compressed rows.
+        HCA, all visible) compressed rows. Past the bounded-replay cut, window rows below the span's
+        `replay_from` were never written and are masked.
         """
         meta = batch.meta(self.window_cache)
         dev = q.device
         pos = span.pos(dev)
-        self.window_cache.write(meta, span.req, pos, kv)
-        lo = max(0, span.first_pos - self.window + 1)
+        if kv is not None:
+            self.window_cache.write(meta, span.req, pos, kv)
+        lo = max(span.replay_from if self.past_replay_cut else 0, span.first_pos - self.window + 1)
         rows = [self.window_cache.read(meta, span.req, torch.arange(lo, span.last_pos + 1, device=dev))]
         window = pos.unsqueeze(1) - self.window + 1 + torch.arange(self.window, device=dev)   # [n, W]
         ids = [torch.where(window >= lo, window - lo, -1)]

@@ -14,12 +14,17 @@ from vllm_deepinfer.attention.caches import PagedCache
 
 @dataclasses.dataclass
 class RequestSpan:
-    """Tokens [start, end) of the batch belong to request `req`, at positions first..first+n-1."""
+    """Tokens [start, end) of the batch belong to request `req`, at positions first..first+n-1.
+
+    `replay_from` (bounded replay): the request's first position that runs the layers past the cut;
+    their window rows below it are never written (0 = every position runs every layer).
+    """
 
     req: int
     start: int
     end: int
     first_pos: int
+    replay_from: int = 0
 
     @property
     def last_pos(self) -> int:
@@ -33,6 +38,15 @@ class RequestSpan:
     def pos(self, device: torch.device, before: int = 0) -> torch.Tensor:
         """Positions of the span's tokens, preceded by `before` earlier positions (may be negative)."""
         return torch.arange(self.first_pos - before, self.first_pos + self.end - self.start, device=device)
+
+
+@dataclasses.dataclass
+class Retained:
+    """Bounded replay: the tokens of a step that run the layers past the cut. rows: [T'] indices
+    into the step's tokens (one-token requests first, as in the step); batch: their sub-batch."""
+
+    rows: torch.Tensor
+    batch: StepBatch
 
 
 @dataclasses.dataclass
@@ -82,8 +96,31 @@ class StepBatch:
     def __iter__(self) -> Iterator[RequestSpan]:
         return iter(self.spans)
 
+    def retained(self) -> Retained | None:
+        """Bounded replay: the sub-batch of the tokens at or after their request's `replay_from` (every
+        one-token request, the retained tail of each span); None when this step drops no token."""
+        if all(s.first_pos >= s.replay_from for s in self.spans):
+            return None
+        dev, t = self.token_ids.device, self.n_dec
+        parts, spans = [torch.arange(t, device=dev)], []
+        for s in self.spans:
+            skip = min(max(0, s.replay_from - s.first_pos), s.end - s.start)
+            n = s.end - s.start - skip
+            if n:
+                parts.append(torch.arange(s.start + skip, s.end, device=dev))
+                spans.append(RequestSpan(s.req, t, t + n, s.first_pos + skip, s.replay_from))
+                t += n
+        rows = torch.cat(parts)
+        sub = StepBatch(self.token_ids[rows], self.positions[rows], spans, self.attn_metadata, self.n_dec, self.req,
+                        self.live, {l: v[rows] for l, v in self.topk.items()},
+                        {l: v[rows] for l, v in self.candidates.items()})
+        return Retained(rows, sub)
+
     @classmethod
-    def from_forward_context(cls, token_ids: torch.Tensor, positions: torch.Tensor) -> "StepBatch":
+    def from_forward_context(cls, token_ids: torch.Tensor, positions: torch.Tensor,
+                             replay_keep: int | None = None) -> "StepBatch":
+        """The step's layout from vLLM's forward context. `replay_keep` (bounded replay on): each
+        request's last `replay_keep` prompt positions run the layers past the cut (`RequestSpan.replay_from`)."""
         attn_metadata = None
         if is_forward_context_available():
             attn_metadata = get_forward_context().attn_metadata
@@ -103,7 +140,10 @@ class StepBatch:
         n_dec = int(torch.cumprod(one.long(), 0).sum()) if one.numel() else 0
         firsts = positions[qsl[:-1].clamp(max=max(positions.numel() - 1, 0)).to(positions.device)].tolist()
         qsl = qsl.tolist()
-        spans = [RequestSpan(r, qsl[r], qsl[r + 1], firsts[r]) for r in range(n_dec, meta.num_reqs)
+        starts = [0] * meta.num_reqs
+        if replay_keep is not None and meta.prompt_lens is not None:
+            starts = [max(0, p - replay_keep) if p >= 0 else 0 for p in meta.prompt_lens]
+        spans = [RequestSpan(r, qsl[r], qsl[r + 1], firsts[r], starts[r]) for r in range(n_dec, meta.num_reqs)
                  if qsl[r + 1] > qsl[r]]
         return cls(token_ids, positions, spans, attn_metadata, n_dec=n_dec, req=torch.arange(n_dec, device=dev),
                    live=torch.ones(n_dec, dtype=torch.bool, device=dev))
