@@ -34,7 +34,8 @@ class PagedCacheMetadata:
     """Batch layout and one cache group's block table for one step.
 
     block_table: [R, max_blocks] block ids of the group; query_start_loc: [R + 1] (CPU);
-    seq_lens: [R] tokens of each request after this step (device); block_size: tokens per block;
+    seq_lens: [R] tokens of each request after this step (device); seq_lens_cpu: its host copy where
+    vLLM provides one (exact for the prefill rows, which are the only rows read from it); block_size: tokens per block;
     decode: every request has exactly one query token (token i belongs to request i);
     max_model_len: bound of every position (fixes the decode path's shapes);
     prompt_lens: prompt length of each request (host ints; -1 = run every layer on every token, e.g. for
@@ -49,6 +50,7 @@ class PagedCacheMetadata:
     num_tokens: int
     decode: bool
     max_model_len: int
+    seq_lens_cpu: torch.Tensor | None = None
     prompt_lens: tuple[int, ...] | None = None
 
 
@@ -91,6 +93,7 @@ class PagedCacheMetadataBuilder(AttentionMetadataBuilder[PagedCacheMetadata]):
             num_tokens=m.num_actual_tokens,
             decode=m.max_query_len == 1,
             max_model_len=self.max_model_len,
+            seq_lens_cpu=None if m.seq_lens_cpu_upper_bound is None else m.seq_lens_cpu_upper_bound[:r],
             prompt_lens=None if lens is None else tuple(lens[:r]) + (-1,) * (r - len(lens)),
         )
 

@@ -207,8 +207,8 @@ class DeepseekModel(nn.Module):
         return hidden
 
     def _count_replay(self, batch: StepBatch, retained: Retained | None) -> None:
-        total = sum(s.end - s.start for s in batch.spans)
-        kept = total if retained is None else sum(s.end - s.start for s in retained.batch.spans)
+        total = batch.prefill.n_tokens
+        kept = total if retained is None else (retained.batch.prefill.n_tokens if retained.batch.prefill else 0)
         self.replay_counts["prefill_tokens"] += total
         self.replay_counts["past_cut_tokens"] += kept
         logger.debug("bounded replay: %d of %d prefill tokens run layers past %d", kept, total, self.replay.cut)

@@ -102,6 +102,10 @@ def indexer_scores(q, weights, keys):
     return _dispatch("indexer_scores", q, q, weights, keys)
 
 
+def indexer_scores_ragged(q, weights, keys, key_start, n_keys, n_cols):
+    return _dispatch("indexer_scores_ragged", q, q, weights, keys, key_start, n_keys, n_cols)
+
+
 def topk_rows(scores, k):
     return _dispatch("topk_rows", scores, scores, k)
 
@@ -172,7 +176,7 @@ def packed_storage(env: str) -> bool:
 
 
 for _f in (sparse_attention, sparse_attention_indexed, sparse_attention_gathered, softmax_pool, indexer_scores,
-           indexer_scores_gathered, topk_rows, linear_fp8_block,
+           indexer_scores_gathered, indexer_scores_ragged, topk_rows, linear_fp8_block,
            hc_coefficients, hc_collapse, hc_expand, routed_experts, routed_experts_packed):
     _f.__doc__ = getattr(reference, _f.__name__).__doc__
 del _f
