@@ -6,6 +6,8 @@
 * `indexer_scores_paged(q, weights, keys, block_table, n_valid, n_rows, rows_per_block)`: the decode form,
   each token scoring its own request's rows straight from the paged key cache (no gathered copy), up to
   its visible count only (work follows the context, not max_model_len).
+* `indexer_scores_ragged(q, weights, keys, key_start, n_keys, n_cols)`: the varlen prefill form, each token
+  against its own range of a packed key buffer (heads as MMA rows, rows read in place).
 * `topk_rows_packed(scores, k)`: the oracle's stable descending order (ties -> lower index, -inf -> -1) via
   unique packed keys: the fp32 score is mapped to an order-preserving int32 and packed above the
   complemented column index into an int64, so `torch.topk` over distinct keys has exactly one answer
@@ -84,6 +86,59 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
     _indexer_scores_kernel[(triton.cdiv(t, bt), triton.cdiv(n, bn))](
         q, weights, keys, out, t, n, hi, q.stride(0), q.stride(1), weights.stride(0), keys.stride(0),
         out.stride(0), D=d, BT=bt, BN=bn, IEEE=ieee, num_warps=4, num_stages=2)
+    return out
+
+
+@triton.jit
+def _indexer_scores_ragged_kernel(Q, W, K, KS, NK, OUT, T, NCOLS, sq_t, sq_h, sw_t, sk_n, so_t,
+                                  HI: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
+                                  IEEE: tl.constexpr):
+    """Varlen scores: token t against rows KS[t] + j, j < NK[t], of the packed keys (-inf beyond).
+    Heads are the MMA rows; a program owns BN columns of BT consecutive tokens; a token's result
+    never depends on BT or on the other tokens. Column blocks at or past NK[t] load nothing."""
+    c0 = tl.program_id(1) * BN
+    offs_c = c0 + tl.arange(0, BN)
+    offs_h = tl.arange(0, HI)
+    offs_d = tl.arange(0, D)
+    cmask = offs_c < NCOLS
+    for i in range(0, BT):
+        t = tl.program_id(0) * BT + i
+        if t < T:
+            nk = tl.load(NK + t).to(tl.int32)
+            valid = offs_c < nk
+            res = tl.full([BN], float("-inf"), tl.float32)
+            if c0 < nk:
+                start = tl.load(KS + t).to(tl.int64)
+                k = tl.load(K + (start + offs_c)[:, None] * sk_n + offs_d[None, :], mask=valid[:, None], other=0.0)
+                q = tl.load(Q + t * sq_t + offs_h[:, None] * sq_h + offs_d[None, :])
+                w = tl.load(W + t * sw_t + offs_h).to(tl.float32)
+                if IEEE:
+                    s = tl.dot(q, tl.trans(k), input_precision="ieee")
+                else:
+                    s = tl.dot(q, tl.trans(k))
+                res = tl.where(valid, tl.sum(tl.maximum(s, 0.0) * w[:, None], 0), float("-inf"))
+            tl.store(OUT + t * so_t + offs_c, res, mask=cmask)
+
+
+def indexer_scores_ragged(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_start: torch.Tensor,
+                          n_keys: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """q: [T, H_I, d_I]; weights: [T, H_I]; keys: [N, d_I] packed; key_start, n_keys: [T] -> [T, n_cols] fp32
+    (-inf at j >= n_keys[t]). Reads each token's rows in place: no [T, n_cols, d_I] gather."""
+    t, hi, d = q.shape
+    if d & (d - 1) or d < 16 or hi & (hi - 1) or not 16 <= hi <= 128:
+        raise NotImplementedError(f"ragged index scores need power-of-two d_I >= 16 and H_I in 16..128, got {d}, {hi}")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    keys = keys.to(q.dtype).contiguous()
+    weights = weights.float().contiguous()
+    out = torch.empty(t, n_cols, dtype=torch.float32, device=q.device)
+    if t == 0 or n_cols == 0:
+        return out
+    ieee = q.dtype == torch.float32
+    bt, bn = 16, (32 if ieee else 64)
+    _indexer_scores_ragged_kernel[(triton.cdiv(t, bt), triton.cdiv(n_cols, bn))](
+        q, weights, keys, key_start.contiguous(), n_keys.contiguous(), out, t, n_cols, q.stride(0), q.stride(1),
+        weights.stride(0), keys.stride(0), out.stride(0), HI=hi, D=d, BT=bt, BN=bn, IEEE=ieee,
+        num_warps=4, num_stages=2)
     return out
 
 

@@ -9,7 +9,12 @@ from kernels_nvidia.attention import (  # noqa: F401
 )
 from kernels_nvidia.compressor import softmax_pool  # noqa: F401
 from kernels_nvidia.gemm import linear_fp8_block  # noqa: F401
-from kernels_nvidia.indexer import indexer_scores, indexer_scores_paged, topk_rows_packed  # noqa: F401
+from kernels_nvidia.indexer import (  # noqa: F401
+    indexer_scores,
+    indexer_scores_paged,
+    indexer_scores_ragged,
+    topk_rows_packed,
+)
 from kernels_nvidia.mhc import hc_coefficients, hc_collapse, hc_expand  # noqa: F401
 from kernels_nvidia.moe import routed_experts_packed  # noqa: F401
 from kernels_nvidia.rowwise import apply_rope, rms_norm  # noqa: F401
@@ -17,6 +22,6 @@ from kernels_nvidia.rowwise import apply_rope, rms_norm  # noqa: F401
 # topk_rows: the packed-key torch.topk measured 0.4-0.5x the oracle's stable sort on the H200, so the
 # oracle keeps it (it is exact and deterministic on CUDA too); a Triton radix select is future work.
 OPS = ("sparse_attention", "sparse_attention_indexed", "sparse_attention_paged", "softmax_pool", "indexer_scores",
-       "indexer_scores_paged",
+       "indexer_scores_paged", "indexer_scores_ragged",
        "hc_coefficients", "hc_collapse", "hc_expand", "linear_fp8_block",
        "routed_experts_packed", "rms_norm", "apply_rope")

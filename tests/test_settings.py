@@ -7,8 +7,7 @@ import pytest
 from vllm_deepinfer.serving import settings
 
 
-@pytest.mark.parametrize("name", ["DEEPINFER_ENABLE_MTP_VARLEN", "DEEPINFER_USE_NEXTN_DECODE",
-                                  "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS"])
+@pytest.mark.parametrize("name", ["DEEPINFER_ENABLE_MTP_VARLEN", "DEEPINFER_USE_NEXTN_DECODE"])
 def test_unsupported_rejected_with_reason_off_accepted(name):
     with pytest.raises(settings.DeepInferSettingError, match=f"{name}.*not (supported|implemented)"):
         settings.check({name: "1"}, platform_device="cpu")
@@ -37,6 +36,17 @@ def test_engram_device_checked():
     assert settings.check({"DEEPINFER_ENGRAM_DEVICE": "gpu"}, platform_device="cuda") == ["DEEPINFER_ENGRAM_DEVICE: gpu"]
     with pytest.raises(settings.DeepInferSettingError, match="accepted: host, gpu, auto"):
         settings.check({"DEEPINFER_ENGRAM_DEVICE": "nvme"}, platform_device="cpu")
+
+
+def test_yoco_settings_map_to_bounded_replay():
+    for value in ("compact", "none", "0"):
+        settings.check({"DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE": value}, platform_device="cpu")
+    for value in ("140", "exact", "0"):
+        settings.check({"DEEPINFER_YOCO_PREFILL_KEEP_TOKENS": value}, platform_device="cpu")
+    with pytest.raises(settings.DeepInferSettingError, match="expected compact or none"):
+        settings.check({"DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE": "sparse"}, platform_device="cpu")
+    with pytest.raises(settings.DeepInferSettingError, match="positive token count"):
+        settings.check({"DEEPINFER_YOCO_PREFILL_KEEP_TOKENS": "-5"}, platform_device="cpu")
 
 
 def test_hf_model_dir_maps_to_model(tmp_path, monkeypatch):

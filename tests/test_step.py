@@ -13,3 +13,73 @@ def test_closed_groups_and_last_pos_match_the_positions():
                 pos = torch.arange(first, first + n)
                 assert span.last_pos == int(pos[-1])
                 assert list(span.closed_groups(m)) == (pos[(pos + 1) % m == 0] // m).tolist()
+
+
+SPANS = [(3, 0, 5, 0), (7, 5, 6, 9), (1, 6, 40, 100), (4, 40, 43, 2)]  # (req, start, end, first_pos): odd mixes
+
+
+def _layout():
+    from vllm_deepinfer.models.step import PrefillLayout
+
+    spans = [RequestSpan(*s) for s in SPANS]
+    return spans, PrefillLayout.build(spans, torch.device("cpu"))
+
+
+def test_prefill_layout_tokens():
+    spans, pf = _layout()
+    assert (pf.start, pf.end, pf.n_tokens) == (0, 43, 43)
+    for s in spans:
+        assert pf.req[s.start:s.end].tolist() == [s.req] * (s.end - s.start)
+        assert pf.pos[s.start:s.end].tolist() == list(range(s.first_pos, s.last_pos + 1))
+
+
+def test_prefill_window_ids_address_each_tokens_own_positions():
+    """Packed window row base[t] + p holds (request, p) for every p in [lo[t], pos]; lo = max(pos - W + 1, 0)."""
+    spans, pf = _layout()
+    for w in (1, 4, 16):
+        win = pf.window(w)
+        assert win.n_rows == sum(s.last_pos - s.window_floor(w) + 1 for s in spans)
+        for s in spans:
+            for t in range(s.start, s.end):
+                p = int(pf.pos[t])
+                assert int(win.lo[t]) == max(p - w + 1, 0)
+                for q in range(int(win.lo[t]), p + 1):
+                    r = int(win.base[t]) + q
+                    assert (int(win.row_req[r]), int(win.row_pos[r])) == (s.req, q)
+
+
+def test_prefill_compressed_rows_and_closed_groups():
+    spans, pf = _layout()
+    for m in (1, 2, 4, 128):
+        c = pf.compressed(m)
+        assert c.n_cols == max((s.last_pos + 1) // m for s in spans)
+        for s in spans:
+            n_rows = (s.last_pos + 1) // m
+            for t in range(s.start, s.end):
+                assert int(c.n_visible[t]) == (int(pf.pos[t]) + 1) // m and int(c.n_rows[t]) == n_rows
+                b = int(c.base[t])
+                assert c.row_req[b:b + n_rows].tolist() == [s.req] * n_rows
+                assert c.row_id[b:b + n_rows].tolist() == list(range(n_rows))
+        req, g = pf.closed(m)
+        want = [(s.req, x) for s in spans for x in s.closed_groups(m)]
+        assert list(zip(req.tolist(), g.tolist())) == want
+
+
+def test_retained_sub_batch_keeps_decodes_and_span_tails():
+    """Bounded replay: one-token requests stay first, each span keeps its positions >= replay_from
+    (a span entirely below it drops out), published top-k rows follow their tokens."""
+    from vllm_deepinfer.models.step import StepBatch
+
+    # 2 decodes, then spans at positions 100..109 (replay from 105), 0..4 (from 40), 50..55 (from 20)
+    positions = torch.tensor([300, 301] + list(range(100, 110)) + list(range(5)) + list(range(50, 56)))
+    spans = [RequestSpan(2, 2, 12, 100, 105), RequestSpan(3, 12, 17, 0, 40), RequestSpan(4, 17, 23, 50, 20)]
+    batch = StepBatch(positions * 10, positions, spans, None, n_dec=2, req=torch.arange(2),
+                      live=torch.ones(2, dtype=torch.bool), topk={6: positions.unsqueeze(1)})
+    kept = batch.retained()
+    assert kept.rows.tolist() == [0, 1] + list(range(7, 12)) + list(range(17, 23))
+    assert kept.batch.positions.tolist() == [300, 301] + list(range(105, 110)) + list(range(50, 56))
+    assert kept.batch.token_ids.tolist() == (kept.batch.positions * 10).tolist()
+    assert kept.batch.topk[6].squeeze(1).tolist() == kept.batch.positions.tolist()
+    assert [(s.req, s.start, s.end, s.first_pos, s.replay_from) for s in kept.batch.spans] == [
+        (2, 2, 7, 105, 105), (4, 7, 13, 50, 20)]
+    assert StepBatch(positions, positions, spans[2:], None, n_dec=2).retained() is None  # nothing dropped

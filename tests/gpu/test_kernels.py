@@ -255,6 +255,36 @@ def test_indexer_scores(device, dtype, heads_as_rows, monkeypatch):
     assert err < BOUND[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_indexer_scores_ragged(device, dtype):
+    """Varlen prefill scores: spans of a packed key buffer, tokens with 0..all visible rows, column
+    blocks past a token's count (-inf, nothing loaded)."""
+    from kernels_nvidia import ops as kn
+    _skip_interp_bf16_dot(device, dtype)
+    _seed()
+    spans = [(3, 40), (6, 7), (4, 0)] if _small(device) else [(700, 900), (300, 200), (16, 3000), (5, 1)]
+    hi = 16 if _small(device) else 64
+    starts, counts, rows = [], [], 0
+    for n_tok, n_rows in spans:
+        starts += [rows] * n_tok
+        counts += torch.randint(0, n_rows + 1, (n_tok,)).tolist()
+        counts[-1] = n_rows
+        rows += n_rows
+    t, n_cols = len(starts), max(r for _, r in spans)
+    q = torch.randn(t, hi, 128, device=device).to(dtype)
+    w = torch.randn(t, hi, device=device) * 0.1
+    keys = torch.randn(rows, 128, device=device).to(dtype)
+    ks, nk = (torch.tensor(v, device=device) for v in (starts, counts))
+    _poison(device)
+    out = kn.indexer_scores_ragged(q, w, keys, ks, nk, n_cols)
+    want = ref.indexer_scores_ragged(q.cpu().float(), w.cpu(), keys.cpu().float(), ks.cpu(), nk.cpu(), n_cols)
+    inf = torch.isinf(want)
+    assert torch.equal(torch.isinf(out.cpu()), inf) and (out.cpu()[inf] < 0).all()
+    err = _rel(out.cpu()[~inf], want[~inf])
+    print(f"indexer_scores_ragged {dtype}: rel err {err:.2e}")
+    assert err < BOUND[dtype]
+
+
 def test_topk_rows_matches_stable_sort(device):
     from kernels_nvidia import ops as kn
     _seed()

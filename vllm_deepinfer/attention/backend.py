@@ -14,7 +14,9 @@ batch have sequence length 0 and block-table rows of the null block 0.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import ClassVar
 
 import torch
@@ -32,9 +34,12 @@ class PagedCacheMetadata:
     """Batch layout and one cache group's block table for one step.
 
     block_table: [R, max_blocks] block ids of the group; query_start_loc: [R + 1] (CPU);
-    seq_lens: [R] tokens of each request after this step (device); block_size: tokens per block;
+    seq_lens: [R] tokens of each request after this step (device); seq_lens_cpu: its host copy where
+    vLLM provides one (exact for the prefill rows, which are the only rows read from it); block_size: tokens per block;
     decode: every request has exactly one query token (token i belongs to request i);
-    max_model_len: bound of every position (fixes the decode path's shapes).
+    max_model_len: bound of every position (fixes the decode path's shapes);
+    prompt_lens: prompt length of each request (host ints; -1 = run every layer on every token, e.g. for
+    prompt logprobs), None where the runner gave none (bounded replay then runs every request in full).
     """
 
     block_table: torch.Tensor
@@ -45,6 +50,24 @@ class PagedCacheMetadata:
     num_tokens: int
     decode: bool
     max_model_len: int
+    seq_lens_cpu: torch.Tensor | None = None
+    prompt_lens: tuple[int, ...] | None = None
+
+
+_step_prompt_lens: list[int] | None = None
+
+
+@contextlib.contextmanager
+def step_prompt_lens(lens: list[int]) -> Iterator[None]:
+    """Hand the prompt lengths of the step's requests (in batch order, -1 = run in full) to the metadata
+    builders while the runner builds the step's metadata (`patches/replay_prompt_lens.py` for the V1
+    runner, `models/replay.py::ReplayModelState` for the V2 runner)."""
+    global _step_prompt_lens
+    _step_prompt_lens = lens
+    try:
+        yield
+    finally:
+        _step_prompt_lens = None
 
 
 class PagedCacheMetadataBuilder(AttentionMetadataBuilder[PagedCacheMetadata]):
@@ -60,6 +83,7 @@ class PagedCacheMetadataBuilder(AttentionMetadataBuilder[PagedCacheMetadata]):
               fast_build: bool = False) -> PagedCacheMetadata:
         m = common_attn_metadata
         r = m.num_reqs
+        lens = _step_prompt_lens
         return PagedCacheMetadata(
             block_table=m.block_table_tensor[:r],
             query_start_loc=m.query_start_loc_cpu[: r + 1].clone(),
@@ -69,6 +93,8 @@ class PagedCacheMetadataBuilder(AttentionMetadataBuilder[PagedCacheMetadata]):
             num_tokens=m.num_actual_tokens,
             decode=m.max_query_len == 1,
             max_model_len=self.max_model_len,
+            seq_lens_cpu=None if m.seq_lens_cpu_upper_bound is None else m.seq_lens_cpu_upper_bound[:r],
+            prompt_lens=None if lens is None else tuple(lens[:r]) + (-1,) * (r - len(lens)),
         )
 
 

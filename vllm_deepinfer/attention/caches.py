@@ -14,9 +14,16 @@ All specs of a model share one page size (`page_bytes`), so vLLM groups them wit
 repacking; each spec's block size is page_bytes / row_bytes * m. Rows are addressed from
 (request, position) through the group's block table: row `i` of a cache with m tokens per row
 lives in block `block_table[req, i*m // block_size]`, slot `(i*m % block_size) // m`.
+
+V4.1 bounded replay (`models/replay.py`) changes two things: the window KV of the layers past the
+cut (rows below a request's replay start are never written) is kept out of prefix caching and a
+prefix hit is rewound by `keep` tokens (`ReplayWindowSpec`); with prefix caching on, the other
+sliding-window caches retain `keep` more tokens, so a rewound hit resumes from cached rows.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import nn
@@ -29,6 +36,24 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from vllm_deepinfer.attention.backend import PagedCacheBackend, PagedCacheMetadata
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReplayWindowSpec(SlidingWindowMLASpec):
+    """Window KV past the bounded-replay cut: out of prefix caching (`bounded_replay`), and a hit is
+    rewound by `replay_tokens` (the keep length; vLLM's own spec rewinds by the window), so the
+    recomputed tail covers every retained row. vLLM resolves its manager through the MRO."""
+
+    replay_tokens: int = 0
+
+    @property
+    def prefix_replay_tokens(self) -> int:
+        return self.replay_tokens
+
+    @classmethod
+    def merge(cls, specs: list["ReplayWindowSpec"]) -> "ReplayWindowSpec":
+        assert len({s.replay_tokens for s in specs}) == 1, "all replay windows of a group must agree"
+        return dataclasses.replace(super().merge(specs), replay_tokens=specs[0].replay_tokens)
 
 
 def cache_page_bytes(vllm_config: VllmConfig, head_dim: int, dtype: torch.dtype) -> int:
@@ -60,6 +85,9 @@ class PagedCache(nn.Module, AttentionLayerBase):
         self.rows_per_block = page_bytes // row_bytes
         self.block_size = self.rows_per_block * tokens_per_row
         self.kv_cache = torch.tensor([])
+        # Bounded replay, set by the model: `replay_tokens` > 0 marks window KV past the cut;
+        # `retain_tokens` extends the window vLLM keeps (prefix hits rewound by that many tokens).
+        self.replay_tokens = self.retain_tokens = 0
         ctx = get_current_vllm_config().compilation_config.static_forward_context
         if prefix in ctx:
             raise ValueError(f"Duplicate layer name: {prefix}")
@@ -71,8 +99,11 @@ class PagedCache(nn.Module, AttentionLayerBase):
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
         common = dict(block_size=self.block_size, num_kv_heads=1, head_size=self.width, dtype=self.dtype)
+        if self.replay_tokens:
+            return ReplayWindowSpec(sliding_window=self.window, bounded_replay=True, replay_tokens=self.replay_tokens,
+                                    **common)
         if self.window is not None:
-            return SlidingWindowMLASpec(sliding_window=self.window, **common)
+            return SlidingWindowMLASpec(sliding_window=self.window + self.retain_tokens, **common)
         return MLAAttentionSpec(tokens_per_state=self.tokens_per_row, **common)
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:

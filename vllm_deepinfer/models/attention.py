@@ -23,7 +23,7 @@ from vllm_deepinfer.models.compressor import Compressor
 from vllm_deepinfer.models.indexer import Indexer
 from vllm_deepinfer.models.layers import ColumnLinear, Linear, RMSNorm, RowLinear, _param, head_sharded
 from vllm_deepinfer.models.rope import RotaryTable
-from vllm_deepinfer.models.step import RequestSpan, StepBatch
+from vllm_deepinfer.models.step import Retained, StepBatch
 from vllm_deepinfer.ops import quant
 
 
@@ -61,9 +61,15 @@ class Attention(nn.Module):
             self.indexer = Indexer(arch, plan, rope, f"{prefix}.indexer", page_bytes)
         # Caches of other layers (V4.1 sharing); set by the model once all layers exist.
         self.kv_source: PagedCache | None = self.compressed_cache
+        # Bounded replay: set by the model on the layers past the cut (window rows below replay_from unwritten).
+        self.past_replay_cut = False
 
-    def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        """x: [T, D] (normalised attention input) -> [T, D]."""
+    def forward(self, x: torch.Tensor, batch: StepBatch, retained: Retained | None = None) -> torch.Tensor:
+        """x: [T, D] (normalised attention input) -> [T, D].
+
+        `retained` (bounded replay, the cut layer): every token's window KV, compressed KV and index keys
+        are written, the queries run on the retained rows only -> [T', D].
+        """
         t = x.shape[0]
         cos, sin = batch.token_cos_sin(self.rope)
         cq = self.q_norm(self.wq_a(x))
@@ -78,23 +84,30 @@ class Attention(nn.Module):
             return torch.zeros_like(x)
         if self.compressor is not None:
             self._compress(x, batch)
+        if retained is not None:
+            if batch.prefill is not None:  # every prefill token's window row; the retained ones attend below
+                pf = batch.prefill
+                self.window_cache.write(batch.meta(self.window_cache), pf.req, pf.pos, kv[pf.start:pf.end])
+            r, batch = retained.rows, retained.batch
+            x, cq, q, kv, t = x[r], cq[r], q[r], kv[r], r.shape[0]
+            if not t:  # every token of the step stops at the cut
+                return x
+            cos, sin = batch.token_cos_sin(self.rope)
         selected = None
         if self.indexer is not None:
             selected = self.indexer(x, cq, batch)
         elif self.plan.index_source is not None:
             selected = batch.topk[self.plan.index_source]
-        nd = batch.n_dec
+        nd, pf = batch.n_dec, batch.prefill
+        dec = pre = None
         if nd:
             dec = self._attend_decode(q[:nd], kv[:nd], batch, None if selected is None else selected[:nd])
-        if nd and nd == t:
-            out = dec
-        else:
-            out = torch.zeros_like(q)  # rows outside every span (padding) stay defined
-            if nd:
-                out[:nd] = dec
-            for span in batch:
-                out[span.start:span.end] = self._attend(q[span.start:span.end], kv[span.start:span.end], span, batch,
-                                                        None if selected is None else selected[span.start:span.end])
+        if pf is not None:
+            rows = slice(pf.start, pf.end)
+            stored = retained is not None  # cut layer: window rows stored above
+            pre = self._attend_prefill(q[rows], None if stored else kv[rows], batch,
+                                       None if selected is None else selected[rows])
+        out = batch.assemble(dec, pre)  # rows of padding tokens stay defined (0)
         if self.parity_wo_a:  # V4 fp8_einsum wo_a input: fp32 inverse RoPE, then per head 1x128 UE8M0
             out = quant.act_roundtrip(ops.apply_rope(out.float(), cos, sin, inverse=True), 128,
                                       bf16_first=False).to(out.dtype)
@@ -115,34 +128,38 @@ class Attention(nn.Module):
         if self.indexer is not None and self.indexer.key_cache is not None:
             self.indexer.write_keys(x, batch, latents=closed)
 
-    def _attend(self, q: torch.Tensor, kv: torch.Tensor, span: RequestSpan, batch: StepBatch,
-                selected: torch.Tensor | None) -> torch.Tensor:
-        """Attention of one request's queries q [n, H, d] over its window and compressed rows.
+    def _attend_prefill(self, q: torch.Tensor, kv: torch.Tensor | None, batch: StepBatch,
+                        selected: torch.Tensor | None) -> torch.Tensor:
+        """All prefill spans at once. q: [P, H, d]; kv: [P, d] window rows to store (None: stored
+        already); selected: [P, k] row ids of each token's request (-1 = none) or None (HCA) -> [P, H, d].
 
-        Keys are the request's window rows (positions lo..last) followed by its compressed rows;
-        each query gets the ids of its own keys: its last W positions and its selected (or, for
-        HCA, all visible) compressed rows.
+        Keys are one packed buffer: every span's window rows (its window floor .. last position,
+        `PrefillLayout.window`), then every span's compressed rows 0 .. n_rows_s - 1
+        (`PrefillLayout.compressed`); each token gets the packed ids of its own keys: its last W
+        positions at or above its window lower bound, and its selected (HCA: visible) rows.
+        Peak temporaries: (Rw + Rc) * d for the keys (Rw <= P + spans * (W - 1), Rc = the spans'
+        compressed rows) plus P * (W + k) ids; never [P, Rw + Rc]. Past the bounded-replay cut, window
+        rows below a request's `replay_from` were never written: the window floor excludes them.
         """
+        pf = batch.prefill
         meta = batch.meta(self.window_cache)
         dev = q.device
-        pos = span.pos(dev)
-        self.window_cache.write(meta, span.req, pos, kv)
-        lo = max(0, span.first_pos - self.window + 1)
-        rows = [self.window_cache.read(meta, span.req, torch.arange(lo, span.last_pos + 1, device=dev))]
-        window = pos.unsqueeze(1) - self.window + 1 + torch.arange(self.window, device=dev)   # [n, W]
-        ids = [torch.where(window >= lo, window - lo, -1)]
+        if kv is not None:
+            self.window_cache.write(meta, pf.req, pf.pos, kv)
+        win = pf.window(self.window, replay_floor=self.past_replay_cut)
+        keys = [self.window_cache.read(meta, win.row_req, win.row_pos)]
+        window = pf.pos.unsqueeze(1) - self.window + 1 + torch.arange(self.window, device=dev)     # [P, W]
+        ids = [torch.where(window >= win.lo.unsqueeze(1), window + win.base.unsqueeze(1), -1)]
         if self.plan.ratio > 0:
-            n_visible = (pos + 1) // self.plan.ratio
-            n_rows = (span.last_pos + 1) // self.plan.ratio
-            if n_rows > 0:
-                offset = rows[0].shape[0]
-                rows.append(self.kv_source.read(batch.meta(self.kv_source), span.req,
-                                                torch.arange(n_rows, device=dev)))
+            c = pf.compressed(self.plan.ratio)
+            if c.n_cols > 0:
+                keys.append(self.kv_source.read(batch.meta(self.kv_source), c.row_req, c.row_id))
                 if selected is None:  # HCA: every visible row
-                    every = torch.arange(n_rows, device=dev).expand(q.shape[0], -1)
-                    selected = torch.where(every < n_visible.unsqueeze(1), every, -1)
-                ids.append(torch.where(selected >= 0, selected + offset, -1))
-        return ops.sparse_attention_indexed(q, torch.cat(rows), torch.cat(ids, dim=1), self.attn_sink, self.scale)
+                    every = torch.arange(c.n_cols, device=dev)
+                    selected = torch.where(every < c.n_visible.unsqueeze(1), every, -1)
+                base = (c.base + win.n_rows).unsqueeze(1)
+                ids.append(torch.where(selected >= 0, selected + base, -1))
+        return ops.sparse_attention_indexed(q, torch.cat(keys), torch.cat(ids, dim=1), self.attn_sink, self.scale)
 
     def _attend_decode(self, q: torch.Tensor, kv: torch.Tensor, batch: StepBatch,
                        selected: torch.Tensor | None) -> torch.Tensor:

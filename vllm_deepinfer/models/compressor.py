@@ -24,11 +24,11 @@ from vllm_deepinfer.models.step import StepBatch
 
 @dataclasses.dataclass
 class ClosedRows:
-    """Compressed rows closed in one step: row `groups[i]` of request `req` (an int, or per row
-    [G] on the decode path), normalised latent [G, w] fp32 without RoPE; `keep` [G] (decode path)
-    is False for rows that are not really closed (fixed shapes: they are written to the null block)."""
+    """Compressed rows closed in one step: row `groups[i]` of request `req[i]` ([G]), normalised
+    latent [G, w] fp32 without RoPE; `keep` [G] (decode path) is False for rows that are not really
+    closed (fixed shapes: they are written to the null block)."""
 
-    req: int | torch.Tensor
+    req: torch.Tensor
     groups: torch.Tensor
     latent: torch.Tensor
     keep: torch.Tensor | None = None
@@ -53,17 +53,18 @@ class Compressor(nn.Module):
     def forward(self, x: torch.Tensor, batch: StepBatch) -> list[ClosedRows]:
         """Write this step's token state and pool every group a token of this step closes.
 
-        x: [T, D] (the attention input). Returns the closed rows per request (one record for the
-        one-token requests) — latents still without RoPE, applied at position m * g.
+        x: [T, D] (the attention input). Returns the closed rows: one record for the one-token
+        requests, one for all prefill spans — latents still without RoPE, applied at position m * g.
         """
         xf = x.float()
         kv = self.wkv(xf)
-        m, nd = self.ratio, batch.n_dec
+        m, nd, pf = self.ratio, batch.n_dec, batch.prefill
         pos = batch.dec_positions
         if not self.gated:  # ratio 1: every token is its own group
             out = [ClosedRows(batch.req, pos, self.norm(kv[:nd]), batch.live)] if nd else []
-            return out + [ClosedRows(span.req, span.pos(x.device), self.norm(kv[span.start:span.end]))
-                          for span in batch]
+            if pf is not None:
+                out.append(ClosedRows(pf.req, pf.pos, self.norm(kv[pf.start:pf.end])))
+            return out
         score = self.wgate(xf)
         if self.ape is not None:
             score = score + self.ape[batch.positions.long() % m]
@@ -75,18 +76,15 @@ class Compressor(nn.Module):
             g = pos // m
             latent = self.norm(self._pool(meta, batch.req.unsqueeze(1), g))
             out.append(ClosedRows(batch.req, g, latent, batch.live & ((pos + 1) % m == 0)))
-        for span in batch:
-            pos = span.pos(x.device)
-            self.state_cache.write(meta, span.req, pos, state[span.start:span.end])
-            closed = span.closed_groups(m)
-            if not closed:
-                continue
-            g = torch.arange(closed.start, closed.stop, device=x.device)
-            out.append(ClosedRows(span.req, g, self.norm(self._pool(meta, span.req, g))))
+        if pf is not None:  # prefill: all spans' states in one write, all closed groups in one pool
+            self.state_cache.write(meta, pf.req, pf.pos, state[pf.start:pf.end])
+            req, g = pf.closed(m)
+            if g.numel():
+                out.append(ClosedRows(req, g, self.norm(self._pool(meta, req.unsqueeze(1), g))))
         return out
 
-    def _pool(self, meta, req: int | torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
-        """Softmax-pool the cached token states of `groups` [G] (of request req, int or [G, 1]) -> [G, w] fp32."""
+    def _pool(self, meta, req: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+        """Softmax-pool the cached token states of `groups` [G] (of requests req [G, 1]) -> [G, w] fp32."""
         m, w = self.ratio, self.width
         n_slots = 2 * m if self.overlap else m
         first = groups * m - (m if self.overlap else 0)

@@ -49,7 +49,8 @@ from vllm_deepinfer.models.layers import (
 )
 from vllm_deepinfer.models.loader import load_checkpoint
 from vllm_deepinfer.models.rope import RotaryTable
-from vllm_deepinfer.models.step import StepBatch
+from vllm_deepinfer.models import replay
+from vllm_deepinfer.models.step import Retained, StepBatch
 from vllm_deepinfer.moe.layer import DeepseekMixtureOfExperts, MoE
 from vllm_deepinfer.ops import quant
 
@@ -92,18 +93,32 @@ class DecoderLayer(nn.Module):
         self.engram = (Engram(arch, plan.engram_table, hasher, history, engram_host, max_tokens)
                        if plan.engram_table is not None else None)
 
-    def forward(self, streams: torch.Tensor, carry: torch.Tensor | None, batch: StepBatch):
-        """streams: [T, h, D]; carry: V4.1 pre of the previous sublayer [T, h] (None before layer 0)."""
+    def forward(self, streams: torch.Tensor, carry: torch.Tensor | None, batch: StepBatch,
+                retained: Retained | None = None):
+        """streams: [T, h, D]; carry: V4.1 pre of the previous sublayer [T, h] (None before layer 0).
+
+        `retained` (the bounded-replay cut layer): the attention writes every token's state, and only
+        the retained rows leave the layer ([T', h, D], [T', h]).
+        """
         if self.engram is not None:
             streams = self.engram(streams, batch)
-        streams, carry = self._sublayer(streams, carry, self.hc_attn, lambda u: self.attn(self.attn_norm(u), batch))
+        rows = None if retained is None else retained.rows
+        streams, carry = self._sublayer(streams, carry, self.hc_attn,
+                                        lambda u: self.attn(self.attn_norm(u), batch, retained), rows)
+        if rows is not None and not rows.numel():  # every token of the step stops at the cut
+            return streams, carry
+        batch = batch if retained is None else retained.batch
         return self._sublayer(streams, carry, self.hc_ffn, lambda u: self.ffn(self.ffn_norm(u), batch.token_ids))
 
-    def _sublayer(self, streams, carry, hc, fn):
+    def _sublayer(self, streams, carry, hc, fn, rows: torch.Tensor | None = None):
+        """rows: the rows fn returns (bounded-replay cut), None = all."""
         pre, post, comb = hc(streams)
         weights = carry if self.delayed else pre
         u = streams[:, 0] if weights is None else ops.hc_collapse(streams, weights)
-        return ops.hc_expand(streams, fn(u), post, comb), pre
+        y = fn(u)
+        if rows is not None:
+            streams, pre, post, comb = streams[rows], pre[rows], post[rows], comb[rows]
+        return ops.hc_expand(streams, y, post, comb), pre
 
 
 class DeepseekModel(nn.Module):
@@ -134,6 +149,12 @@ class DeepseekModel(nn.Module):
         self.engram_prefetch = EngramPrefetch(engrams)
         if engrams:
             log_engram_placement(engrams)
+        self.replay = replay.resolve(arch, vllm_config.cache_config.swa_bounded_replay)
+        if self.replay is not None:
+            self._wire_replay(vllm_config.cache_config.enable_prefix_caching)
+        # Bounded replay counters (host ints): prompt tokens of prefill steps, and how many of them
+        # ran the layers past the cut.
+        self.replay_counts = {"prefill_tokens": 0, "past_cut_tokens": 0}
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.hc_head = HyperHead(arch) if arch.family == V4 else None
 
@@ -146,19 +167,51 @@ class DeepseekModel(nn.Module):
             if attn.indexer is not None and not plan.owns_index_keys:
                 attn.indexer.key_source = self.layers[plan.index_key_layer].attn.indexer.key_cache
 
+    def _wire_replay(self, prefix_caching: bool) -> None:
+        """Bounded replay: layers past the cut mask unwritten window rows and declare their window KV as
+        replay groups; with prefix caching the other sliding-window caches keep `keep` more tokens."""
+        keep, cut = self.replay.keep, self.replay.cut
+        for l, layer in enumerate(self.layers):
+            if l > cut:
+                layer.attn.past_replay_cut = True
+                layer.attn.window_cache.replay_tokens = keep
+        if prefix_caching:
+            for cache in self.modules():
+                if isinstance(cache, PagedCache) and cache.window is not None and not cache.replay_tokens:
+                    cache.retain_tokens = keep
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [T] -> final normalised hidden states [T, D]."""
-        batch = StepBatch.from_forward_context(input_ids, positions)
+        """input_ids, positions: [T] -> final normalised hidden states [T, D] (bounded replay: rows of
+        dropped prompt tokens are 0; vLLM samples only at a request's last prompt token, always kept)."""
+        cut = self.replay.cut if self.replay is not None else -1
+        batch = StepBatch.from_forward_context(input_ids, positions, self.replay.keep if cut >= 0 else None)
         if self.history is not None:
             write_token_history(self.history, batch)
             self.engram_prefetch.start(batch)  # host tables: row gathers overlap the layers before Engram
         e = self.embed(input_ids)
         streams = e.unsqueeze(1).expand(-1, self.arch.hc_mult, -1).contiguous()
-        carry = None
-        for layer in self.layers:
-            streams, carry = layer(streams, carry, batch)
+        carry = rows = None
+        for l, layer in enumerate(self.layers):
+            retained = batch.retained() if l == cut else None
+            streams, carry = layer(streams, carry, batch, retained)
+            if l == cut and batch.spans:
+                self._count_replay(batch, retained)
+            if retained is not None:
+                batch, rows = retained.batch, retained.rows
+                if not rows.numel():  # an early prefill chunk: only the cut's state writes were needed
+                    return e.new_zeros(e.shape)
         weights = self.hc_head(streams) if self.hc_head is not None else carry
-        return self.norm(ops.hc_collapse(streams, weights))
+        hidden = self.norm(ops.hc_collapse(streams, weights))
+        if rows is not None:
+            hidden = hidden.new_zeros(input_ids.shape[0], hidden.shape[-1]).index_copy_(0, rows, hidden)
+        return hidden
+
+    def _count_replay(self, batch: StepBatch, retained: Retained | None) -> None:
+        total = batch.prefill.n_tokens
+        kept = total if retained is None else (retained.batch.prefill.n_tokens if retained.batch.prefill else 0)
+        self.replay_counts["prefill_tokens"] += total
+        self.replay_counts["past_cut_tokens"] += kept
+        logger.debug("bounded replay: %d of %d prefill tokens run layers past %d", kept, total, self.replay.cut)
 
 
 class DeepseekForCausalLM(nn.Module, DeepseekMixtureOfExperts):
@@ -180,6 +233,10 @@ class DeepseekForCausalLM(nn.Module, DeepseekMixtureOfExperts):
             logger.info("vllm-deepinfer: batch-invariant mode (DEEPINFER_BATCH_INVARIANT)")
         self.model = DeepseekModel(vllm_config, self.arch, prefix="model")
         self.collect_moe_layers([layer.ffn for layer in self.model.layers])
+        if self.model.replay is not None:
+            from vllm_deepinfer.patches import replay_prompt_lens
+
+            replay_prompt_lens.apply()
         if ops.packed_storage(ops.FP8_LINEARS_ENV, torch.device(vllm_config.device_config.device).type):
             fp8 = {n for n, (dtype, _) in expected_tensors(self.arch).items() if dtype == "F8_E4M3"}
             packed = pack_fp8_linears(self.model, fp8, self.arch.weight_block_size)
@@ -190,6 +247,10 @@ class DeepseekForCausalLM(nn.Module, DeepseekMixtureOfExperts):
         logger.info("vllm-deepinfer numerics: %s", "parity " + ",".join(sorted(numerics)) if numerics else "exact")
         self.lm_head = ParallelLMHead(self.arch.vocab_size, self.arch.hidden_size, prefix="lm_head")
         self.logits_processor = LogitsProcessor(self.arch.vocab_size)
+
+    def get_model_state_cls(self):
+        """V2 model runner: a ModelState that hands the prompt lengths to bounded replay."""
+        return replay.replay_model_state_cls()
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed(input_ids)

@@ -38,7 +38,7 @@ from vllm_deepinfer.checkpoint.formats import dequant_fp8_rows
 from vllm_deepinfer.config import ArchConfig
 from vllm_deepinfer.log import get_logger
 from vllm_deepinfer.models.layers import Linear, _param
-from vllm_deepinfer.models.step import RequestSpan, StepBatch
+from vllm_deepinfer.models.step import StepBatch
 from vllm_deepinfer.moe.layer import IMAGE_TOKEN_SPAN
 
 logger = get_logger(__name__)
@@ -142,26 +142,22 @@ class Engram(nn.Module):
         return (streams.float() + gate.unsqueeze(-1) * value.float().unsqueeze(1)).to(streams.dtype)
 
     def hash_rows(self, batch: StepBatch) -> torch.Tensor:
-        """Table rows of every token's n-grams, [T, cols] (one-token requests first, then the spans)."""
-        hasher = self.hasher[0]
-        rows = [hasher.hash_ids(self.table, *self.lookback_decode(batch))[:, 0]] if batch.n_dec else []
-        return torch.cat(rows + [hasher.hash_ids(self.table, *self.lookback(batch, span)) for span in batch])
+        """Table rows of every token's n-grams, [n_dec + P, cols] (one-token requests first, then the prefill tokens)."""
+        hasher, pf = self.hasher[0], batch.prefill
+        rows = []
+        if batch.n_dec:
+            rows.append(hasher.hash_ids(self.table, *self.lookback(batch, batch.req, batch.dec_positions))[:, 0])
+        if pf is not None:
+            rows.append(hasher.hash_ids(self.table, *self.lookback(batch, pf.req, pf.pos))[:, 0])
+        return rows[0] if len(rows) == 1 else torch.cat(rows)
 
-    def lookback(self, batch: StepBatch, span: RequestSpan) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token ids of the span plus the max_ngram-1 before it (from the history cache)."""
+    def lookback(self, batch: StepBatch, req: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids at positions pos-(max_ngram-1) .. pos of requests req (all [N]) from the history
+        cache, which already holds this step's tokens: ids and validity, [N, max_ngram] each."""
         k = self.hasher[0].max_ngram
-        pos = span.pos(batch.positions.device, before=k - 1)
+        pos = pos.unsqueeze(1) - (k - 1) + torch.arange(k, device=pos.device)
         valid = pos >= 0
-        meta = batch.meta(self.history)
-        ids = self.history.read(meta, span.req, pos.clamp(min=0))[:, 0]
-        return torch.where(valid, ids, 0), valid
-
-    def lookback_decode(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """One-token requests: each token's id and the max_ngram-1 before it, [n_dec, max_ngram] each."""
-        k = self.hasher[0].max_ngram
-        pos = batch.dec_positions.unsqueeze(1) - (k - 1) + torch.arange(k, device=batch.positions.device)
-        valid = pos >= 0
-        ids = self.history.read(batch.meta(self.history), batch.req.unsqueeze(1), pos.clamp(min=0))[..., 0]
+        ids = self.history.read(batch.meta(self.history), req.unsqueeze(1), pos.clamp(min=0))[..., 0]
         return torch.where(valid, ids, 0), valid
 
 
@@ -277,7 +273,7 @@ def write_token_history(history: PagedCache, batch: StepBatch) -> None:
     if batch.n_dec:
         ids = batch.token_ids[: batch.n_dec].view(-1, 1).expand(-1, history.width)
         history.write(batch.meta(history), batch.req, batch.dec_positions, ids, keep=batch.live)
-    for span in batch:
-        pos = span.pos(batch.positions.device)
-        ids = batch.token_ids[span.start:span.end].view(-1, 1).expand(-1, history.width)
-        history.write(batch.meta(history), span.req, pos, ids)
+    pf = batch.prefill
+    if pf is not None:
+        ids = batch.token_ids[pf.start:pf.end].view(-1, 1).expand(-1, history.width)
+        history.write(batch.meta(history), pf.req, pf.pos, ids)

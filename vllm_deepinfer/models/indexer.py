@@ -22,6 +22,9 @@ from vllm_deepinfer.models.step import StepBatch
 from vllm_deepinfer.ops import quant
 
 
+SCORE_TILE_BYTES = 512 << 20  # bound of the prefill scoring temporaries of one token tile
+
+
 class Indexer(nn.Module):
     def __init__(self, arch: ArchConfig, plan: LayerPlan, rope: RotaryTable, prefix: str, page_bytes: int):
         super().__init__()
@@ -75,44 +78,65 @@ class Indexer(nn.Module):
         if self.parity_q:  # FP8 index q, one pow2 scale per (token, head)
             q = quant.index_query_roundtrip(q)
         w = self.weights_proj(x).float() * self.weight_scale
-        dev, nd = x.device, batch.n_dec
+        nd, pf = batch.n_dec, batch.prefill
         cands = batch.candidates.get(self.candidate_layer) if self.plan.candidate_consumer else None
+        dec = pre = (None, None)
         if nd:
-            dec_ids, dec_cands = self._select_decode(q[:nd], w[:nd], batch, None if cands is None else cands[:nd])
-        if nd and nd == t:  # uniform decode: fixed shapes only
-            ids, cand_out = dec_ids, dec_cands
-        else:
-            ids = torch.full((t, self.topk), -1, dtype=torch.long, device=dev)
-            cand_out = (torch.full((t, max(self.n_blocks, 1)), -1, dtype=torch.long, device=dev)
-                        if self.plan.candidate_source else None)
-            if nd:
-                ids[:nd] = dec_ids
-                if cand_out is not None:
-                    cand_out[:nd] = dec_cands
-        for span in batch:
-            pos = batch.positions[span.start:span.end].long()
-            n_valid = (pos + 1) // self.ratio                       # rows visible to each token [n]
-            n_rows = (span.last_pos + 1) // self.ratio
-            if n_rows == 0:
-                continue
-            rows = torch.arange(n_rows, device=dev)
-            valid = rows.unsqueeze(0) < n_valid.unsqueeze(1)        # [n, N]
-            if n_rows <= self.topk:                                  # every valid row is selected
-                ids[span.start:span.end, :n_rows] = torch.where(valid, rows, -1)
-                continue
-            keys = self.key_source.read(batch.meta(self.key_source), span.req, rows)
-            scores = ops.indexer_scores(q[span.start:span.end], w[span.start:span.end], keys)
-            scores = scores.masked_fill(~valid, float("-inf"))
-            if cand_out is not None:
-                cand_out[span.start:span.end] = self._candidate_blocks(scores, n_valid)
-            if cands is not None:
-                scores = self._restrict_to_blocks(scores, cands[span.start:span.end])
-            sel = ops.topk_rows(scores, self.topk)
-            ids[span.start:span.end] = sel
+            dec = self._select_decode(q[:nd], w[:nd], batch, None if cands is None else cands[:nd])
+        if pf is not None:
+            rows = slice(pf.start, pf.end)
+            pre = self._select_prefill(q[rows], w[rows], batch, None if cands is None else cands[rows])
+        ids = batch.assemble(dec[0], pre[0], fill=-1)
         batch.topk[self.plan.layer_id] = ids
-        if cand_out is not None:
-            batch.candidates[self.plan.layer_id] = cand_out
+        if self.plan.candidate_source:
+            batch.candidates[self.plan.layer_id] = batch.assemble(dec[1], pre[1], fill=-1)
         return ids
+
+    def _select_prefill(self, q: torch.Tensor, w: torch.Tensor, batch: StepBatch,
+                        cands: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Selection for all prefill tokens at once. q: [P, H_I, d_I]; w: [P, H_I]; cands: published
+        candidate blocks [P, n_blocks] (consumers). Returns ids [P, k] and, for the candidate source,
+        its blocks [P, n_blocks].
+
+        Every span's index-key rows are packed into one buffer (`PrefillLayout.compressed`); token t
+        scores only its own request's visible rows (`ops.indexer_scores_ragged`), in token tiles of
+        `_token_tile` so the score temporaries stay under SCORE_TILE_BYTES whatever the total key
+        count: peak about tile * n_cols * per-entry bytes, n_cols = the longest span's row count.
+        Tokens of a span with at most k rows select all their visible rows (ascending) and publish
+        no candidate blocks.
+        """
+        pf, dev = batch.prefill, q.device
+        c = pf.compressed(self.ratio)
+        n = q.shape[0]
+        cols = torch.arange(self.topk, device=dev)
+        ids = torch.where(cols < c.n_visible.unsqueeze(1), cols, -1)          # spans with <= k rows
+        blocks = (torch.full((n, max(self.n_blocks, 1)), -1, dtype=torch.long, device=dev)
+                  if self.plan.candidate_source else None)
+        if c.n_cols <= self.topk:  # every span selects all its visible rows
+            return ids, blocks
+        keys = self.key_source.read(batch.meta(self.key_source), c.row_req, c.row_id)
+        full = c.n_rows <= self.topk
+        tile = self._token_tile(c.n_cols)
+        sel, cand = [], []
+        for s in range(0, n, tile):
+            t = slice(s, s + tile)
+            scores = ops.indexer_scores_ragged(q[t], w[t], keys, c.base[t], c.n_visible[t], c.n_cols)
+            if blocks is not None:
+                cand.append(self._candidate_blocks(scores, c.n_visible[t]))
+            if cands is not None:
+                scores = self._restrict_to_blocks(scores, cands[t])
+            sel.append(ops.topk_rows(scores, self.topk))
+        sel = sel[0] if len(sel) == 1 else torch.cat(sel)
+        ids = torch.where(full.unsqueeze(1), ids, sel)
+        if blocks is not None:
+            blocks = torch.where(full.unsqueeze(1), blocks, cand[0] if len(cand) == 1 else torch.cat(cand))
+        return ids, blocks
+
+    @staticmethod
+    def _token_tile(n_cols: int) -> int:
+        """Tokens per scoring tile: [tile, n_cols] scores plus their sort (~32 B per entry) within
+        SCORE_TILE_BYTES (the ops bound their own temporaries below that)."""
+        return max(1, SCORE_TILE_BYTES // (n_cols * 32))
 
     def _select_decode(self, q: torch.Tensor, w: torch.Tensor, batch: StepBatch,
                        cands: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:

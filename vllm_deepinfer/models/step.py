@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 from vllm.forward_context import get_forward_context, is_forward_context_available
 
@@ -15,12 +16,17 @@ from vllm_deepinfer.attention.caches import PagedCache
 
 @dataclasses.dataclass
 class RequestSpan:
-    """Tokens [start, end) of the batch belong to request `req`, at positions first..first+n-1."""
+    """Tokens [start, end) of the batch belong to request `req`, at positions first..first+n-1.
+
+    `replay_from` (bounded replay): the request's first position that runs the layers past the cut;
+    their window rows below it are never written (0 = every position runs every layer).
+    """
 
     req: int
     start: int
     end: int
     first_pos: int
+    replay_from: int = 0
 
     @property
     def last_pos(self) -> int:
@@ -31,9 +37,124 @@ class RequestSpan:
         """Groups g of m positions closed by a token of this span (position m*g + m - 1 lies in it)."""
         return range(-(-(self.first_pos + 1) // m) - 1, (self.last_pos + 1) // m)
 
-    def pos(self, device: torch.device, before: int = 0) -> torch.Tensor:
-        """Positions of the span's tokens, preceded by `before` earlier positions (may be negative)."""
-        return torch.arange(self.first_pos - before, self.first_pos + self.end - self.start, device=device)
+    def window_floor(self, window: int, replay_floor: bool = False) -> int:
+        """Lowest position any token of the span attends to in a window of `window` positions
+        (`replay_floor`: a layer past the bounded-replay cut, whose rows below `replay_from` are unwritten)."""
+        return max(0, self.first_pos - window + 1, self.replay_from if replay_floor else 0)
+
+
+@dataclasses.dataclass
+class WindowLayout:
+    """Window rows of all prefill spans packed in one buffer: span s contributes its positions
+    floor_s..last_s (rows `row_req`, `row_pos` [Rw]). Token t's window position p is packed row
+    base[t] + p, valid where p >= lo[t] = max(pos - W + 1, floor of its request)."""
+
+    row_req: torch.Tensor
+    row_pos: torch.Tensor
+    base: torch.Tensor
+    lo: torch.Tensor
+
+    @property
+    def n_rows(self) -> int:
+        return self.row_req.shape[0]
+
+
+@dataclasses.dataclass
+class CompressedLayout:
+    """Compressed rows (ratio m) of all prefill spans packed in one buffer: span s contributes its rows
+    0..n_rows_s-1, n_rows_s = (last_s + 1) // m (`row_req`, `row_id` [Rc]). Token t's row j is packed
+    row base[t] + j; it sees n_visible[t] = (pos + 1) // m rows; n_rows[t] is its span's count;
+    n_cols = max_s n_rows_s (host int: the width of per-token row lists)."""
+
+    row_req: torch.Tensor
+    row_id: torch.Tensor
+    base: torch.Tensor
+    n_visible: torch.Tensor
+    n_rows: torch.Tensor
+    n_cols: int
+
+
+@dataclasses.dataclass
+class PrefillLayout:
+    """The prefill tokens [start, end) of a step (every span after the one-token requests), as device
+    index tensors built once per step (and per window / ratio) from host ints, so layers handle all
+    spans with a constant number of ops and no device read: `req` [P] block-table row and `pos` [P]
+    position of each token (P = end - start)."""
+
+    spans: list[RequestSpan]
+    start: int
+    end: int
+    req: torch.Tensor
+    pos: torch.Tensor
+    _host: dict = dataclasses.field(default_factory=dict, repr=False)
+    _memo: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    @classmethod
+    def build(cls, spans: list[RequestSpan], device: torch.device) -> "PrefillLayout":
+        """Layout of `spans` (consecutive, non-empty, in batch order)."""
+        n = np.array([s.end - s.start for s in spans], dtype=np.int64)
+        first = np.array([s.first_pos for s in spans], dtype=np.int64)
+        req = np.repeat(np.array([s.req for s in spans], dtype=np.int64), n)
+        offset = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)            # index within the span
+        pos = np.repeat(first, n) + offset
+        return cls(spans, spans[0].start, spans[-1].end, _dev(req, device), _dev(pos, device), {"n": n, "pos": pos})
+
+    @property
+    def n_tokens(self) -> int:
+        return self.end - self.start
+
+    def window(self, w: int, replay_floor: bool = False) -> WindowLayout:
+        """Packed window rows of `w` positions (memoised per step); `replay_floor`: see `RequestSpan.window_floor`."""
+        if ("w", w, replay_floor) not in self._memo:
+            n, pos = self._host["n"], self._host["pos"]
+            floor = np.array([s.window_floor(w, replay_floor) for s in self.spans], dtype=np.int64)
+            last = np.array([s.last_pos for s in self.spans], dtype=np.int64)
+            count = last - floor + 1
+            row_start = np.cumsum(count) - count
+            row_req = np.repeat(np.array([s.req for s in self.spans], dtype=np.int64), count)
+            row_pos = np.repeat(floor, count) + np.arange(int(count.sum())) - np.repeat(row_start, count)
+            base = np.repeat(row_start - floor, n)
+            lo = np.maximum(pos - w + 1, np.repeat(floor, n))
+            dev = self.req.device
+            self._memo["w", w, replay_floor] = WindowLayout(*(_dev(a, dev) for a in (row_req, row_pos, base, lo)))
+        return self._memo["w", w, replay_floor]
+
+    def compressed(self, m: int) -> CompressedLayout:
+        """Packed compressed rows of ratio `m` (memoised per step)."""
+        if ("c", m) not in self._memo:
+            n, pos = self._host["n"], self._host["pos"]
+            rows = np.array([(s.last_pos + 1) // m for s in self.spans], dtype=np.int64)
+            row_start = np.cumsum(rows) - rows
+            row_req = np.repeat(np.array([s.req for s in self.spans], dtype=np.int64), rows)
+            row_id = np.arange(int(rows.sum())) - np.repeat(row_start, rows)
+            dev = self.req.device
+            self._memo["c", m] = CompressedLayout(
+                _dev(row_req, dev), _dev(row_id, dev), _dev(np.repeat(row_start, n), dev),
+                _dev((pos + 1) // m, dev), _dev(np.repeat(rows, n), dev), int(rows.max(initial=0)))
+        return self._memo["c", m]
+
+    def closed(self, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(request [G], group [G]) of every group of m positions that a prefill token closes."""
+        if ("g", m) not in self._memo:
+            groups = [s.closed_groups(m) for s in self.spans]
+            req = np.repeat(np.array([s.req for s in self.spans], dtype=np.int64), [len(g) for g in groups])
+            g = np.concatenate([np.arange(r.start, r.stop, dtype=np.int64) for r in groups] or [np.zeros(0, np.int64)])
+            self._memo["g", m] = (_dev(req, self.req.device), _dev(g, self.req.device))
+        return self._memo["g", m]
+
+
+def _dev(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host int64 array -> device tensor (one copy)."""
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
+
+
+@dataclasses.dataclass
+class Retained:
+    """Bounded replay: the tokens of a step that run the layers past the cut. rows: [T'] indices
+    into the step's tokens (one-token requests first, as in the step); batch: their sub-batch."""
+
+    rows: torch.Tensor
+    batch: StepBatch
 
 
 @dataclasses.dataclass
@@ -46,14 +167,16 @@ class StepBatch:
     The first `n_dec` tokens belong to one-token requests (vLLM orders decodes first): token i is
     request i, and every layer handles them with its fixed-shape path (`req` [n_dec] block-table
     rows, `live` [n_dec] False for the padding of a captured CUDA graph), which reads no host copy of
-    the batch layout. `spans` are the remaining requests (prefill chunks), handled one by one; a
-    uniform decode step has none and is what vLLM captures as a full CUDA graph.
+    the batch layout. `spans` are the remaining requests (prefill chunks), all handled at once
+    through `prefill` (None when there are none: a uniform decode step, what vLLM captures as a full
+    CUDA graph). Tokens after the last span (padding) belong to no request.
 
     Batch-invariant mode (`ops.batch_invariant()`): every token takes the fixed-shape per-token path
-    (`req[i]` = the request of token i, `spans` empty), so a token's keys, index scores, selection and
-    pooled groups are computed by the same ops in the same order whether it is decoded, prefilled,
-    or recomputed, and whatever chunk it falls in. The path writes every token's cache rows before
-    reading any, so a request's earlier tokens of the same step are visible to its later ones.
+    (`req[i]` = the request of token i, `spans` empty, so bounded replay retains every token), so a
+    token's keys, index scores, selection and pooled groups are computed by the same ops in the same
+    order whether it is decoded, prefilled, or recomputed, and whatever chunk it falls in. The path writes
+    every token's cache rows before reading any, so a request's earlier tokens of the same step are
+    visible to its later ones.
     """
 
     token_ids: torch.Tensor
@@ -65,7 +188,12 @@ class StepBatch:
     live: torch.Tensor | None = None
     topk: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     candidates: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    prefill: PrefillLayout | None = None
     _rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.prefill is None and self.spans:
+            self.prefill = PrefillLayout.build(self.spans, self.token_ids.device)
 
     @property
     def has_cache(self) -> bool:
@@ -76,6 +204,16 @@ class StepBatch:
     def dec_positions(self) -> torch.Tensor:
         """Positions of the one-token requests, [n_dec] int64."""
         return self.positions[: self.n_dec].long()
+
+    def assemble(self, dec: torch.Tensor | None, prefill: torch.Tensor | None, fill: float = 0.0) -> torch.Tensor:
+        """Rows of all T tokens from the decode rows [n_dec, ...] and the prefill rows [P, ...]; rows of
+        padding tokens (after the last span) are `fill`."""
+        parts = [p for p in (dec, prefill) if p is not None]
+        n = sum(p.shape[0] for p in parts)
+        t = self.token_ids.shape[0]
+        if n < t:
+            parts.append(parts[0].new_full((t - n, *parts[0].shape[1:]), fill))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def token_cos_sin(self, table) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of every token's position in rotary `table`, computed once per step and table."""
@@ -89,8 +227,31 @@ class StepBatch:
     def __iter__(self) -> Iterator[RequestSpan]:
         return iter(self.spans)
 
+    def retained(self) -> Retained | None:
+        """Bounded replay: the sub-batch of the tokens at or after their request's `replay_from` (every
+        one-token request, the retained tail of each span); None when this step drops no token."""
+        if all(s.first_pos >= s.replay_from for s in self.spans):
+            return None
+        t = self.n_dec
+        parts, spans = [np.arange(t)], []
+        for s in self.spans:
+            skip = min(max(0, s.replay_from - s.first_pos), s.end - s.start)
+            n = s.end - s.start - skip
+            if n:
+                parts.append(np.arange(s.start + skip, s.end))
+                spans.append(RequestSpan(s.req, t, t + n, s.first_pos + skip, s.replay_from))
+                t += n
+        rows = _dev(np.concatenate(parts), self.token_ids.device)  # host-built: one copy per step
+        sub = StepBatch(self.token_ids[rows], self.positions[rows], spans, self.attn_metadata, self.n_dec, self.req,
+                        self.live, {l: v[rows] for l, v in self.topk.items()},
+                        {l: v[rows] for l, v in self.candidates.items()})
+        return Retained(rows, sub)
+
     @classmethod
-    def from_forward_context(cls, token_ids: torch.Tensor, positions: torch.Tensor) -> "StepBatch":
+    def from_forward_context(cls, token_ids: torch.Tensor, positions: torch.Tensor,
+                             replay_keep: int | None = None) -> "StepBatch":
+        """The step's layout from vLLM's forward context. `replay_keep` (bounded replay on): each
+        request's last `replay_keep` prompt positions run the layers past the cut (`RequestSpan.replay_from`)."""
         attn_metadata = None
         if is_forward_context_available():
             attn_metadata = get_forward_context().attn_metadata
@@ -114,9 +275,15 @@ class StepBatch:
             return cls(token_ids, positions, [], attn_metadata, n_dec=t, req=req.to(dev), live=live.to(dev))
         one = (qsl[1:] - qsl[:-1]) == 1
         n_dec = int(torch.cumprod(one.long(), 0).sum()) if one.numel() else 0
-        firsts = positions[qsl[:-1].clamp(max=max(positions.numel() - 1, 0)).to(positions.device)].tolist()
+        if meta.seq_lens_cpu is not None:  # host copy: first position = tokens after the step - tokens of the step
+            firsts = (meta.seq_lens_cpu[: meta.num_reqs] - (qsl[1:] - qsl[:-1])).tolist()
+        else:  # one device read per step
+            firsts = positions[qsl[:-1].clamp(max=max(positions.numel() - 1, 0)).to(positions.device)].tolist()
         qsl = qsl.tolist()
-        spans = [RequestSpan(r, qsl[r], qsl[r + 1], firsts[r]) for r in range(n_dec, meta.num_reqs)
+        starts = [0] * meta.num_reqs
+        if replay_keep is not None and meta.prompt_lens is not None:
+            starts = [max(0, p - replay_keep) if p >= 0 else 0 for p in meta.prompt_lens]
+        spans = [RequestSpan(r, qsl[r], qsl[r + 1], firsts[r], starts[r]) for r in range(n_dec, meta.num_reqs)
                  if qsl[r + 1] > qsl[r]]
         return cls(token_ids, positions, spans, attn_metadata, n_dec=n_dec, req=torch.arange(n_dec, device=dev),
                    live=torch.ones(n_dec, dtype=torch.bool, device=dev))

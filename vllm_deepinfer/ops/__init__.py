@@ -123,6 +123,10 @@ def indexer_scores(q, weights, keys):
     return _dispatch("indexer_scores", q, q, weights, keys)
 
 
+def indexer_scores_ragged(q, weights, keys, key_start, n_keys, n_cols):
+    return _dispatch("indexer_scores_ragged", q, q, weights, keys, key_start, n_keys, n_cols)
+
+
 def topk_rows(scores, k):
     return _dispatch("topk_rows", scores, scores, k)
 
@@ -232,8 +236,9 @@ def packed_storage(env: str, device_type: str) -> bool:
     return storage == "packed" or (storage == "auto" and device_type == "cuda")
 
 
-for _f in (rms_norm, apply_rope, sparse_attention, sparse_attention_indexed, sparse_attention_gathered, sparse_attention_paged,
-           softmax_pool, indexer_scores, indexer_scores_gathered, indexer_scores_paged, topk_rows, linear_fp8_block,
+for _f in (rms_norm, apply_rope, sparse_attention, sparse_attention_indexed, sparse_attention_gathered,
+           sparse_attention_paged, softmax_pool, indexer_scores, indexer_scores_gathered, indexer_scores_paged,
+           indexer_scores_ragged, topk_rows, linear_fp8_block,
            hc_coefficients, hc_collapse, hc_expand, routed_experts, routed_experts_packed):
     _f.__doc__ = getattr(reference, _f.__name__).__doc__
 del _f

@@ -7,6 +7,7 @@ against. Shapes use T = tokens, H = heads, h = residual streams, D = hidden size
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -368,12 +369,68 @@ def sparse_attention_indexed(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tenso
     """Gather form of `sparse_attention`: each query attends to its own rows kv[idx[t, j]].
 
     q: [T, H, d]; kv: [R, d] (K = V); idx: [T, K] distinct row ids, -1 = none; sink: [H] -> [T, H, d].
-    Computed here as masked attention over all R rows (the same sum; shared keys keep it one GEMM
-    on CPU); device kernels gather the K rows instead.
+    Computed here in token tiles as masked attention over the rows the tile uses (their sorted
+    union U): consecutive tokens of a request share most rows, so each tile is one shared-key GEMM
+    (the per-request product of the old per-span path, without its loop). Peak temporaries
+    tile * H * |U| fp32 values with |U| <= min(R, tile * K), kept under TILE_ELEMS; never [T, R].
+    Device kernels gather the K rows instead.
     """
-    allowed = torch.zeros(idx.shape[0], kv.shape[0] + 1, dtype=torch.bool, device=idx.device)
-    allowed.scatter_(1, torch.where(idx >= 0, idx, kv.shape[0]).long(), True)
-    return sparse_attention(q, kv, allowed[:, :-1], sink, scale)
+    t, k = idx.shape
+    if t == 0:
+        return torch.empty_like(q)
+    tile = _token_tile(t, lambda n: q.shape[1] * min(kv.shape[0], n * k))
+    out = []
+    for s in range(0, t, tile):
+        sub = idx[s:s + tile]
+        valid = sub >= 0
+        rows = torch.unique(sub[valid])                                        # sorted union [U]
+        col = torch.where(valid, torch.searchsorted(rows, sub.clamp(min=0)), rows.numel())
+        allowed = torch.zeros(sub.shape[0], rows.numel() + 1, dtype=torch.bool, device=idx.device)
+        out.append(sparse_attention(q[s:s + tile], kv[rows], allowed.scatter_(1, col, True)[:, :-1], sink, scale))
+    return out[0] if len(out) == 1 else torch.cat(out)
+
+
+TILE_ELEMS = 1 << 24  # fp32 values of the largest temporary of one token tile (64 MiB)
+
+
+def _token_tile(t: int, per_tile: Callable[[int], int]) -> int:
+    """Largest power-of-two token tile (at most t rounded up) whose temporary of n * per_tile(n) fp32
+    values stays within TILE_ELEMS (at least 1 token)."""
+    n = 1
+    while n < t and 2 * n * per_tile(2 * n) <= TILE_ELEMS:
+        n *= 2
+    return n
+
+
+def indexer_scores_ragged(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, key_start: torch.Tensor,
+                          n_keys: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """`indexer_scores` of each token against its own range of a packed key buffer (varlen prefill).
+
+    out[t, j] = sum_h w[t, h] * relu(q[t, h] . keys[key_start[t] + j]) for j < n_keys[t], -inf for
+    n_keys[t] <= j < n_cols. q: [T, H_I, d_I]; weights: [T, H_I]; keys: [N, d_I]; key_start, n_keys: [T]
+    int -> [T, n_cols] fp32. Computed here in token tiles as `indexer_scores` against the key range
+    the tile's tokens use (one GEMM: consecutive tokens of a request share their rows; reads the
+    range bounds on the host), then each token's columns are picked. Peak temporaries about
+    tile * H_I * (n_cols * spans in the tile) fp32 values, within TILE_ELEMS; kernels read rows in place.
+    """
+    t = q.shape[0]
+    out = torch.full((t, n_cols), float("-inf"), dtype=torch.float32, device=q.device)
+    if t == 0 or n_cols == 0:
+        return out
+    h = q.shape[1]
+    width = int((key_start + n_keys).max() - key_start.min())
+    tile = _token_tile(t, lambda n: h * min(width, n * n_cols))
+    cols = torch.arange(n_cols, device=q.device)
+    for s in range(0, t, tile):
+        ks, nk = key_start[s:s + tile], n_keys[s:s + tile]
+        lo, hi = int(ks.min()), int((ks + nk).max())
+        if hi <= lo:
+            continue
+        scores = indexer_scores(q[s:s + tile], weights[s:s + tile], keys[lo:hi])        # [tile, hi - lo]
+        pick = (ks - lo).unsqueeze(1) + cols
+        valid = cols < nk.unsqueeze(1)
+        out[s:s + tile] = torch.where(valid, scores.gather(1, pick.clamp(max=hi - lo - 1)), float("-inf"))
+    return out
 
 
 # ----------------------------------------------------------------------------- paged forms (decode)

@@ -16,8 +16,8 @@ always accepted: it asks for what the plugin does anyway.
 | `DEEPINFER_BATCH_INVARIANT` | honoured: `1` turns on batch-invariant mode (the vLLM-style option is `--additional-config '{"deepinfer_batch_invariant": true}'`, which wins over the variable): ops run their batch-invariant variants and the sampler draws seeded tokens with noise keyed by (seed, position) (`vllm_deepinfer/serving/seeded_sampling.py`). Read at model construction. vLLM's `VLLM_BATCH_INVARIANT=1` is not an equivalent (different kernels/sampler, crashes on CPU) and is never substituted. |
 | `DEEPINFER_ENABLE_MTP_VARLEN` | rejected when on: DSpark/MTP variable-length drafting is not in the plugin yet (vLLM equivalent will be `--speculative-config`). |
 | `DEEPINFER_USE_NEXTN_DECODE` | rejected when on: NextN (MTP) decode is speculative decoding, not in the plugin yet (`--speculative-config`). |
-| `DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE` | rejected unless off: V4.1 decoder-side SWA bounded replay (YOCO prefill truncation) is not in the plugin yet; the plugin prefills the full prompt, which is exact. |
-| `DEEPINFER_YOCO_PREFILL_KEEP_TOKENS` | rejected unless off, same reason. |
+| `DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE` | mapped: `compact` turns V4.1 decoder bounded replay on, `none` off (`vllm_deepinfer/models/replay.py`); unset, vLLM's `--swa-bounded-replay` / `--no-swa-bounded-replay` decides (vLLM's default: on). V4 has nothing to replay (ignored with a warning). |
+| `DEEPINFER_YOCO_PREFILL_KEEP_TOKENS` | honoured: trailing prompt tokens per request that run the layers past the cut. Unset or `exact` = n(W-1)+1, which is exact; a smaller value (DeepInfer's default 140, vLLM in-tree's 128) is approximate; below the sliding window the model refuses to start. |
 """
 
 from __future__ import annotations
@@ -76,12 +76,10 @@ SETTINGS: dict[str, Setting] = {
                 "DSpark/MTP variable-length speculative decoding is not implemented in vllm-deepinfer yet"),
         Setting("DEEPINFER_USE_NEXTN_DECODE", "reject", "--speculative-config (future)",
                 "NextN/MTP speculative decoding is not implemented in vllm-deepinfer yet"),
-        Setting("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "reject", "none (bounded replay not implemented)",
-                "V4.1 decoder-side SWA bounded replay (YOCO prefill truncation) is not implemented in "
-                "vllm-deepinfer yet; the full prompt is prefilled, which is exact"),
-        Setting("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", "reject", "none (bounded replay not implemented)",
-                "V4.1 decoder-side SWA bounded replay (YOCO prefill truncation) is not implemented in "
-                "vllm-deepinfer yet; the full prompt is prefilled, which is exact"),
+        Setting("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "mapped", "--swa-bounded-replay / --no-swa-bounded-replay",
+                "V4.1 decoder bounded replay: compact = on, none = off; unset, vLLM's swa_bounded_replay decides"),
+        Setting("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", "honoured", "none (vLLM in-tree keeps the 128-token window)",
+                "trailing prompt tokens that run the layers past the last KV source; default exact n(W-1)+1"),
     ]
 }
 
@@ -121,6 +119,17 @@ def check(environ: dict[str, str] | None = None, platform_device: str | None = N
                 errors.append(str(e))
             else:
                 notes.append(f"{name}: " + ("parity " + ",".join(sorted(parts)) if parts else "exact"))
+        elif name in ("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS"):
+            from vllm_deepinfer.models import replay
+
+            try:
+                if name == replay.MODE_ENV:
+                    notes.append(f"{name}: bounded replay " + ("on" if replay.parse_mode(value) else "off"))
+                else:
+                    keep = replay.parse_keep(value)
+                    notes.append(f"{name}: keep " + ("exact" if keep is None else f"{keep} tokens"))
+            except ValueError as e:
+                errors.append(str(e))
         elif name in ("DEEPINFER_FP8_LINEARS", "DEEPINFER_EXPERT_STORAGE"):
             from vllm_deepinfer.ops import parse_storage
 

@@ -1,0 +1,142 @@
+"""V4.1 decoder bounded replay (model-spec §3.14), exact by default.
+
+Layers 0..cut (cut = max(kv_source_layer_ids)) write window KV, compressed KV and index keys for every
+token: the layers past the cut read the cut's compressed KV and index keys, and own only their
+window KV. So the cut layer's queries and FFN and every later layer run only on the *retained*
+positions p >= R of a request, R = P - keep (P prompt tokens; fixed for the request's life, so
+chunked prefill and recompute after preemption see the same R); window reads past the cut are
+masked to rows >= R, which are the only ones written there.
+
+Exactness (every output that matters equals full prefill). Past the cut, a token depends on earlier
+tokens only through its layer's window (W rows: itself and W-1 earlier ones); the cut's compressed
+rows and index keys are complete, and index selection / candidate blocks are per token (own query
+against complete keys). The cut layer's window is complete, so its outputs at p >= R are exact; by
+induction the output of layer cut+k at p is exact iff p >= R + k(W-1). With n = L-1-cut layers past
+the cut, keep = n(W-1) + 1 makes
+  * the last prompt token (p = P-1) exact at the last layer, so the first sampled token is exact;
+  * every window row a decode step reads exact: the first decode step reads rows >= P-W+1 of layer
+    cut+k, computed from layer cut+k-1's output, exact iff P-W+1 >= R + (k-1)(W-1), i.e.
+    keep >= k(W-1); later steps read the same rows or rows they computed themselves.
+A smaller keep (DeepInfer's `DEEPINFER_YOCO_PREFILL_KEEP_TOKENS`, default 140 there; vLLM's in-tree
+keeps W = 128 rows) is approximate: the first retained rows see truncated windows. keep >= W is
+required either way, so decode steps never read an unwritten row.
+
+Not replayed (run every layer on every token): requests that ask for prompt logprobs, and every
+request when the runner gives no prompt lengths. Prefix hits: the past-cut window caches are kept
+out of prefix caching and a hit is rewound by `keep` tokens (vLLM's `prefix_replay_tokens`), so the
+recomputed tail covers every retained row (`attention/caches.py`); the other sliding-window caches
+then retain `keep` more tokens so the rewound tail resumes from cached rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from vllm_deepinfer.attention.backend import step_prompt_lens
+from vllm_deepinfer.config import V41, ArchConfig
+from vllm_deepinfer.log import get_logger
+
+logger = get_logger(__name__)
+
+MODE_ENV = "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE"
+KEEP_ENV = "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS"
+_OFF = {"", "0", "false", "no", "off", "none", "disabled"}
+
+
+def parse_mode(value: str) -> bool:
+    """DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE: `compact` (replay on) or an off value (`none`, `0`, ...)."""
+    v = value.strip().lower()
+    if v == "compact":
+        return True
+    if v in _OFF:
+        return False
+    raise ValueError(f"{MODE_ENV}={value!r}: expected compact or none")
+
+
+def parse_keep(value: str) -> int | None:
+    """DEEPINFER_YOCO_PREFILL_KEEP_TOKENS: a positive token count, or an off/`exact` value (None = exact)."""
+    v = value.strip().lower()
+    if v in _OFF or v in ("auto", "exact"):
+        return None
+    if not v.isdigit() or int(v) <= 0:
+        raise ValueError(f"{KEEP_ENV}={value!r}: expected a positive token count or exact")
+    return int(v)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayPolicy:
+    """cut: last KV-source layer; keep: trailing prompt tokens per request that run the layers past it;
+    exact_keep = n(W-1)+1, the smallest keep that is exact."""
+
+    cut: int
+    keep: int
+    exact_keep: int
+
+    @property
+    def exact(self) -> bool:
+        return self.keep >= self.exact_keep
+
+
+def exact_keep(arch: ArchConfig) -> int:
+    return (arch.num_layers - 1 - max(arch.kv_source_layer_ids)) * (arch.window - 1) + 1
+
+
+def resolve(arch: ArchConfig, swa_bounded_replay: bool, environ: dict[str, str] | None = None) -> ReplayPolicy | None:
+    """The bounded-replay policy of a model, None = off.
+
+    On: `DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE=compact`, or, when that is unset, vLLM's
+    `cache_config.swa_bounded_replay` (`--swa-bounded-replay`, default on). keep: the exact n(W-1)+1
+    unless `DEEPINFER_YOCO_PREFILL_KEEP_TOKENS` asks for another (>= W; approximate below exact).
+    V4 (no KV sharing) and V4.1 configs with nothing past the last KV source have nothing to replay.
+    """
+    env = os.environ if environ is None else environ
+    on = parse_mode(env[MODE_ENV]) if MODE_ENV in env else swa_bounded_replay
+    if not on:
+        return None
+    if arch.family != V41 or not arch.kv_source_layer_ids or max(arch.kv_source_layer_ids) >= arch.num_layers - 1:
+        if MODE_ENV in env:
+            logger.warning("%s=compact ignored: %s has no layers past a last KV source (bounded replay is V4.1-only)",
+                           MODE_ENV, arch.family)
+        return None
+    cut = max(arch.kv_source_layer_ids)
+    if any(l > cut for l in arch.engram_layer_ids):
+        logger.warning("bounded replay off: Engram layer past the last KV source %d (unsupported, as in vLLM)", cut)
+        return None
+    exact = exact_keep(arch)
+    keep = parse_keep(env[KEEP_ENV]) if KEEP_ENV in env else None
+    keep = exact if keep is None else keep
+    if keep < arch.window:
+        raise ValueError(f"{KEEP_ENV}={keep} is below the sliding window {arch.window}: decode steps read the "
+                         f"last {arch.window} window rows of every layer past the cut, so at least that many must "
+                         f"be computed (exact: {exact})")
+    policy = ReplayPolicy(cut, keep, exact)
+    logger.info("vllm-deepinfer bounded replay: layers %d..%d run on each prompt's last %d tokens (%s; exact keep %d)",
+                cut + 1, arch.num_layers - 1, keep, "exact" if policy.exact else "APPROXIMATE", exact)
+    return policy
+
+
+def replay_model_state_cls():
+    """V2 model runner: DefaultModelState that hands each step's prompt lengths to the metadata builders
+    (-1 for requests that ask for prompt logprobs). Imported only by the V2 runner (CUDA)."""
+    import numpy as np
+    from vllm.v1.worker.gpu.model_states.default import DefaultModelState
+
+    class ReplayModelState(DefaultModelState):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.prompt_lens = np.full(self.max_num_reqs, -1, dtype=np.int64)
+
+        def add_request(self, req_index, new_req_data) -> None:
+            super().add_request(req_index, new_req_data)
+            params = new_req_data.sampling_params
+            full = params is not None and params.prompt_logprobs is not None
+            self.prompt_lens[req_index] = -1 if full else new_req_data.prompt_len
+
+        def prepare_attn(self, input_batch, *args, **kwargs):
+            lens = self.prompt_lens[input_batch.idx_mapping_np[: input_batch.num_reqs]].tolist()
+            with step_prompt_lens(lens):
+                return super().prepare_attn(input_batch, *args, **kwargs)
+
+    return ReplayModelState
+
