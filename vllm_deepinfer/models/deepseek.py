@@ -149,7 +149,11 @@ class DeepseekModel(nn.Module):
         self.engram_prefetch = EngramPrefetch(engrams)
         if engrams:
             log_engram_placement(engrams)
-        self.replay = replay.resolve(arch, vllm_config.cache_config.swa_bounded_replay)
+        # Batch-invariant mode prefills every layer over every token: replay's cut, prefix rewinds and window
+        # floors depend on a request's prompt length and chunking, which that mode must not see.
+        self.replay = None if ops.batch_invariant() else replay.resolve(arch, vllm_config.cache_config.swa_bounded_replay)
+        if ops.batch_invariant() and arch.family == V41:
+            logger.info("vllm-deepinfer: bounded replay off in batch-invariant mode (full prefill)")
         if self.replay is not None:
             self._wire_replay(vllm_config.cache_config.enable_prefix_caching)
         # Bounded replay counters (host ints): prompt tokens of prefill steps, and how many of them

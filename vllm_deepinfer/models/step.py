@@ -172,7 +172,7 @@ class StepBatch:
     CUDA graph). Tokens after the last span (padding) belong to no request.
 
     Batch-invariant mode (`ops.batch_invariant()`): every token takes the fixed-shape per-token path
-    (`req[i]` = the request of token i, `spans` empty, so bounded replay retains every token), so a
+    (`req[i]` = the request of token i, `spans` empty; bounded replay is off), so a
     token's keys, index scores, selection and pooled groups are computed by the same ops in the same
     order whether it is decoded, prefilled, or recomputed, and whatever chunk it falls in. The path writes
     every token's cache rows before reading any, so a request's earlier tokens of the same step are
