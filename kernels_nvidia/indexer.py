@@ -90,6 +90,21 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
 
 
 @triton.jit
+def _token_scores(Q, W, t, k, sq_t, sq_h, sw_t, HI: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr):
+    """sum_h w[t, h] * relu(q[t, h] . k[j]) of token t against a [BN, D] key tile k -> [BN] fp32 (heads as the
+    MMA rows)."""
+    offs_h = tl.arange(0, HI)
+    offs_d = tl.arange(0, D)
+    q = tl.load(Q + t * sq_t + offs_h[:, None] * sq_h + offs_d[None, :])
+    w = tl.load(W + t * sw_t + offs_h).to(tl.float32)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    return tl.sum(tl.maximum(s, 0.0) * w[:, None], 0)
+
+
+@triton.jit
 def _indexer_scores_ragged_kernel(Q, W, K, KS, NK, OUT, T, NCOLS, sq_t, sq_h, sw_t, sk_n, so_t,
                                   HI: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
                                   IEEE: tl.constexpr):
@@ -98,7 +113,6 @@ def _indexer_scores_ragged_kernel(Q, W, K, KS, NK, OUT, T, NCOLS, sq_t, sq_h, sw
     never depends on BT or on the other tokens. Column blocks at or past NK[t] load nothing."""
     c0 = tl.program_id(1) * BN
     offs_c = c0 + tl.arange(0, BN)
-    offs_h = tl.arange(0, HI)
     offs_d = tl.arange(0, D)
     cmask = offs_c < NCOLS
     for i in range(0, BT):
@@ -110,13 +124,7 @@ def _indexer_scores_ragged_kernel(Q, W, K, KS, NK, OUT, T, NCOLS, sq_t, sq_h, sw
             if c0 < nk:
                 start = tl.load(KS + t).to(tl.int64)
                 k = tl.load(K + (start + offs_c)[:, None] * sk_n + offs_d[None, :], mask=valid[:, None], other=0.0)
-                q = tl.load(Q + t * sq_t + offs_h[:, None] * sq_h + offs_d[None, :])
-                w = tl.load(W + t * sw_t + offs_h).to(tl.float32)
-                if IEEE:
-                    s = tl.dot(q, tl.trans(k), input_precision="ieee")
-                else:
-                    s = tl.dot(q, tl.trans(k))
-                res = tl.where(valid, tl.sum(tl.maximum(s, 0.0) * w[:, None], 0), float("-inf"))
+                res = tl.where(valid, _token_scores(Q, W, t, k, sq_t, sq_h, sw_t, HI, D, IEEE), float("-inf"))
             tl.store(OUT + t * so_t + offs_c, res, mask=cmask)
 
 
@@ -156,19 +164,12 @@ def _indexer_scores_paged_kernel(Q, W, K, BT, NV, OUT, NB, sq_t, sq_h, sw_t, sk_
     nv = tl.load(NV + t)
     valid = offs_n < nv
     if tl.program_id(1) * BN < nv:
-        offs_h = tl.arange(0, HI)
         offs_d = tl.arange(0, D)
         col = tl.minimum(offs_n // RPB, NB - 1)
         blk = tl.load(BT + t * sbt_t + col, mask=valid, other=0).to(tl.int64)
         slot = blk * RPB + offs_n % RPB
         k = tl.load(K + slot[:, None] * sk_n + offs_d[None, :], mask=valid[:, None], other=0.0)
-        q = tl.load(Q + t * sq_t + offs_h[:, None] * sq_h + offs_d[None, :])
-        w = tl.load(W + t * sw_t + offs_h).to(tl.float32)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        score = tl.sum(tl.maximum(s, 0.0) * w[:, None], 0)
+        score = _token_scores(Q, W, t, k, sq_t, sq_h, sw_t, HI, D, IEEE)
         tl.store(OUT + t * so_t + offs_n, tl.where(valid, score, float("-inf")))
     else:
         tl.store(OUT + t * so_t + offs_n, tl.full([BN], float("-inf"), tl.float32))

@@ -79,6 +79,24 @@ def engine(model: Path, **overrides) -> Iterator:
         cleanup_dist_env_and_memory()
 
 
+@contextlib.contextmanager
+def recorded_preemptions(llm) -> Iterator[list[str]]:
+    """The request ids (as the engine spells them) that `llm`'s scheduler preempts inside the block, in order."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    preempted: list[str] = []
+    original = scheduler._preempt_request
+
+    def counting(request, *args, **kwargs):
+        preempted.append(request.request_id)
+        return original(request, *args, **kwargs)
+
+    scheduler._preempt_request = counting
+    try:
+        yield preempted
+    finally:
+        scheduler._preempt_request = original
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -35,7 +35,7 @@ import pytest
 import torch
 from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
 
-from tests.conftest import engine, tiny_checkpoint
+from tests.conftest import engine, recorded_preemptions, tiny_checkpoint
 
 N_CASES = int(os.environ.get("DEEPINFER_INVARIANCE_CASES", "200"))
 N_COMPANION = 8
@@ -136,18 +136,9 @@ def _run_cases(llm, n_cases: int, case_seed: int, seeded: bool) -> tuple[list[st
         solo_params = _target_params("solo", True, seeded, PRESSURE_NEW)
         out = llm.generate([TokensPrompt(prompt_token_ids=p)], solo_params, use_tqdm=False)[0]
         solo[len(p)] = (list(out.outputs[0].token_ids), _logits("solo"))
-    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-    preempted: set[str] = set()
-    original = scheduler._preempt_request
-
-    def counting(request, *args, **kwargs):
-        preempted.add(request.request_id.rsplit("-", 1)[0])  # the engine appends "-<8 random chars>"
-        return original(request, *args, **kwargs)
-
-    scheduler._preempt_request = counting
     rng = random.Random(case_seed)
     bad, seen = [], {"cases": 0, "long target": 0, "target prefix hit": 0, "batch of 1": 0, "target preempted": 0}
-    try:
+    with recorded_preemptions(llm) as preempted_ids:
         for first in range(0, n_cases, PER_CALL):
             prompts, params, targets, priority = [], [], [], []
             last = min(n_cases, first + PER_CALL) - 1
@@ -162,7 +153,8 @@ def _run_cases(llm, n_cases: int, case_seed: int, seeded: bool) -> tuple[list[st
             for i, at, n, target in targets:
                 tokens, logits = list(outs[at].outputs[0].token_ids), _logits(f"case{i}")
                 want_tokens, want_logits = (x[:params[at].max_tokens] for x in solo[len(target)])
-                was_preempted = outs[at].request_id in preempted
+                # the engine spells a request id with a "-<8 random chars>" suffix
+                was_preempted = outs[at].request_id in {r.rsplit("-", 1)[0] for r in preempted_ids}
                 seen["cases"] += 1
                 seen["long target"] += target is long
                 seen["target prefix hit"] += outs[at].num_cached_tokens > 0
@@ -175,9 +167,7 @@ def _run_cases(llm, n_cases: int, case_seed: int, seeded: bool) -> tuple[list[st
                     bad.append(f"case {i}: batch {n}, target {len(target)} tokens, cached {outs[at].num_cached_tokens}, "
                                f"preempted {was_preempted}; tokens {tokens} vs {want_tokens}; first differing logits "
                                f"at generated position {first_diff}")
-    finally:
-        scheduler._preempt_request = original
-    seen["preempted requests"] = len(preempted)
+    seen["preempted requests"] = len(set(preempted_ids))
     return bad, seen
 
 

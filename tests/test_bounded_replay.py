@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import engine, tiny_checkpoint
+from tests.conftest import engine, recorded_preemptions, tiny_checkpoint
 from tests.fidelity import prompt_ids
 
 CONFIG = {"sliding_window": 16, "index_topk": 16, "candidate_topk_blocks": 4, "candidate_block_size": 8}
@@ -122,16 +122,8 @@ def test_exact_after_preemption(model_dir, preempt_prompts, full):
     replay start (its prompt length minus KEEP)."""
     with engine(model_dir, num_gpu_blocks_override=75, max_num_seqs=6, max_model_len=256,
                 max_num_batched_tokens=128, enable_chunked_prefill=True) as llm:
-        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-        preempted = []
-        original = scheduler._preempt_request
-
-        def counting(request, *args, **kwargs):
-            preempted.append(request.request_id)
-            return original(request, *args, **kwargs)
-
-        scheduler._preempt_request = counting
-        got = _run(llm, preempt_prompts, PREEMPT_NEW)
+        with recorded_preemptions(llm) as preempted:
+            got = _run(llm, preempt_prompts, PREEMPT_NEW)
     assert preempted, "the KV pool was large enough: no request was preempted"
     assert [g[0] for g in got] == [f[0] for f in full["preempt"]]
 

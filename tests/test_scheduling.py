@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import engine, tiny_checkpoint
+from tests.conftest import engine, recorded_preemptions, tiny_checkpoint
 from tests.fidelity import prompt_ids
 
 LENGTHS = (5, 37, 130, 301, 700)
@@ -73,14 +73,6 @@ def test_preemption_recompute_matches_alone(case):
     with engine(model_dir, num_gpu_blocks_override=PREEMPT_BLOCKS[arch], max_num_seqs=6, max_model_len=1024,
                 max_num_batched_tokens=128, enable_chunked_prefill=True) as llm:
         alone = [_greedy(llm, [p], PREEMPT_NEW)[0] for p in prompts]
-        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-        preempted = []
-        original = scheduler._preempt_request
-
-        def counting(request, *args, **kwargs):
-            preempted.append(request.request_id)
-            return original(request, *args, **kwargs)
-
-        scheduler._preempt_request = counting
-        assert _greedy(llm, prompts, PREEMPT_NEW) == alone
+        with recorded_preemptions(llm) as preempted:
+            assert _greedy(llm, prompts, PREEMPT_NEW) == alone
     assert preempted, "the KV pool was large enough: no request was preempted"
