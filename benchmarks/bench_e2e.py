@@ -149,7 +149,7 @@ def planner_lines(model: Path, a) -> list[str]:
     linears = "marlin" if packed == "packed" and torch.cuda.is_available() else packed  # CUDA: Marlin's layout
     args = ["--model-config", str(model), "--fp8-linears", linears, "--experts", packed, "--engram", "gpu",
             "--dtype", a.dtype, "--max-model-len", str(a.max_model_len), "--batch", "1",
-            "--max-num-batched-tokens", str(a.token_budget)]
+            "--max-num-batched-tokens", str(a.token_budget), "--no-prefix-caching"]
     kv = a.kv_gib or float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or 0)  # CPU: vLLM's KV space in GiB
     args += ["--kv-gib", str(kv)] if kv else []
     import contextlib

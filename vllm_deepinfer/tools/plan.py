@@ -114,6 +114,8 @@ class Deployment:
     engram: str = "host"            # host | gpu
     kv_dtype_bytes: int = 2         # the plugin's caches are in the model dtype (no FP8 records yet)
     block_size: int = 64
+    bounded_replay: bool = True     # vLLM's --swa-bounded-replay (default on; DEEPINFER_YOCO_* decide when set)
+    prefix_caching: bool = True     # vLLM's --enable-prefix-caching (default on)
 
     @property
     def ep_size(self) -> int:
@@ -223,32 +225,42 @@ class CacheSpec:
     row_bytes: int
     tokens_per_row: int = 1
     window: int | None = None
+    replay: bool = False            # window KV past the bounded-replay cut (its own vLLM spec, own groups)
 
     def block_size(self, page: int) -> int:
         return page // self.row_bytes * self.tokens_per_row
 
     def key(self, page: int) -> tuple:
-        return (self.row_bytes, self.tokens_per_row, self.window, self.block_size(page))
+        return (self.row_bytes, self.tokens_per_row, self.window, self.block_size(page), self.replay)
 
 
 def cache_specs(arch: ArchConfig, dep: Deployment) -> list[CacheSpec]:
-    """Every cache layer the plugin's model registers, in model order (model-spec §6.1, attention/caches.py)."""
+    """Every cache layer the plugin's model registers, in model order (model-spec §6.1, attention/caches.py).
+
+    Bounded replay (V4.1, `models/replay.py`, resolved as the model resolves it): the window KV past the cut is
+    its own spec; with prefix caching every other sliding-window cache retains `keep` more tokens."""
+    from ..models.replay import resolve
+
+    policy = resolve(arch, dep.bounded_replay)
+    cut = policy.cut if policy is not None else arch.num_layers
+    extra = policy.keep if policy is not None and dep.prefix_caching else 0
     d, kvb = arch.head_dim, dep.kv_dtype_bytes
     out = []
     if arch.family == V41 and arch.engram_layer_ids:
-        out.append(CacheSpec("engram.history", d * kvb, window=arch.engram_max_ngram_size))
+        out.append(CacheSpec("engram.history", d * kvb, window=arch.engram_max_ngram_size + extra))
     for l in range(arch.num_layers):
         p = arch.layer_plan(l)
-        out.append(CacheSpec(f"layers.{l}.window", d * kvb, window=arch.window))
+        past = l > cut
+        out.append(CacheSpec(f"layers.{l}.window", d * kvb, window=arch.window + (0 if past else extra), replay=past))
         if p.owns_compressor:
             c = 2 if p.compressor_overlap else 1
             if p.compressor_gated:
-                out.append(CacheSpec(f"layers.{l}.compressor.state", 2 * c * d * 4, window=c * p.ratio))
+                out.append(CacheSpec(f"layers.{l}.compressor.state", 2 * c * d * 4, window=c * p.ratio + extra))
             out.append(CacheSpec(f"layers.{l}.compressed", d * kvb, p.ratio))
         if p.owns_index_keys:
             if arch.family == V4:
                 out.append(CacheSpec(f"layers.{l}.indexer.compressor.state", 2 * 2 * arch.index_head_dim * 4,
-                                     window=2 * p.ratio))
+                                     window=2 * p.ratio + extra))
             out.append(CacheSpec(f"layers.{l}.index_keys", arch.index_head_dim * kvb, p.ratio))
     return out
 
@@ -376,6 +388,8 @@ def main(argv=None) -> int:
     p.add_argument("--kv-dtype", default=None, choices=sorted(DTYPE_BYTES),
                    help="cache row dtype (default: --dtype; FP8 records are not implemented in the plugin)")
     p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--no-bounded-replay", action="store_true", help="vLLM's --no-swa-bounded-replay")
+    p.add_argument("--no-prefix-caching", action="store_true", help="vLLM's --no-enable-prefix-caching")
     p.add_argument("--max-model-len", type=int, default=65536)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--async-scheduling", action="store_true",
@@ -391,7 +405,8 @@ def main(argv=None) -> int:
     arch = ArchConfig.from_hf(cfg)
     dep = Deployment(tp=a.tp, dp=a.dp, ep=a.ep, redundant_experts=a.num_redundant_experts,
                      dtype_bytes=DTYPE_BYTES[a.dtype], fp8_linears=a.fp8_linears, experts=a.experts,
-                     engram=a.engram, kv_dtype_bytes=DTYPE_BYTES[a.kv_dtype or a.dtype], block_size=a.block_size)
+                     engram=a.engram, kv_dtype_bytes=DTYPE_BYTES[a.kv_dtype or a.dtype], block_size=a.block_size,
+                     bounded_replay=not a.no_bounded_replay, prefix_caching=not a.no_prefix_caching)
     if arch.n_routed_experts % (dep.ep_size if dep.ep else 1) and not dep.redundant_experts:
         print(f"warning: {arch.n_routed_experts} experts do not divide over {dep.ep_size} EP ranks", file=sys.stderr)
     out = report(arch, dep, a)
