@@ -67,7 +67,6 @@ def main() -> int:
                 layer[(t, impl)] = layer.get((t, impl), 0.0) + us
                 gbs = (n * k * (1 + 1 / 32) if impl == "marlin" else n * k * (2 if impl == "bf16" else 1)) / us / 1e3
                 print(f"{name:13s} T={t:5d} {impl:7s} {us:9.1f} us {gbs:7.0f} GB/s  rel err {err:.2e}", flush=True)
-        del mar, dense
     for (t, impl), us in sorted(layer.items()):
         print(f"layer         T={t:5d} {impl:7s} {us:9.1f} us  (ratio to bf16 {layer[(t, 'bf16')] / us:.2f}x)")
     bad = [r for r in rows if r["rel_err"] > 4e-3]
