@@ -132,6 +132,10 @@ class PagedCache(nn.Module, AttentionLayerBase):
         block = meta.block_table[req, col].long()
         return block * self.rows_per_block + (tok % self.block_size) // self.tokens_per_row
 
+    def masked_slots(self, meta: PagedCacheMetadata, req: torch.Tensor, row_ids: torch.Tensor) -> torch.Tensor:
+        """`row_slots` of row ids [...] (-1 = none), -1 kept where the id is -1 (for in-place paged reads)."""
+        return torch.where(row_ids >= 0, self.row_slots(meta, req, row_ids.clamp(min=0)), -1)
+
     def write(self, meta: PagedCacheMetadata, req: int | torch.Tensor, row_ids: torch.Tensor, values: torch.Tensor,
               keep: torch.Tensor | None = None) -> None:
         """Store rows `row_ids` [N] of request(s) `req`; values: [N, width]; rows where `keep` [N] is

@@ -173,14 +173,13 @@ class Attention(nn.Module):
         pos = batch.dec_positions
         self.window_cache.write(meta, batch.req, pos, kv, keep=batch.live)
         window = pos.unsqueeze(1) - self.window + 1 + torch.arange(self.window, device=dev)      # [T, W]
-        win = torch.where(window >= 0, self.window_cache.row_slots(meta, req, window.clamp(min=0)), -1)
-        rows, sel = self.window_cache.rows, win[:, :0]
+        win = self.window_cache.masked_slots(meta, req, window)
+        rows, sel = self.window_cache.rows, win[:, :0]  # SWA-only layer: an empty second key source
         if self.plan.ratio > 0:
             n_visible = (pos + 1) // self.plan.ratio
             if selected is None:  # HCA: every visible row
                 every = torch.arange(meta.max_model_len // self.plan.ratio + 1, device=dev)
                 selected = torch.where(every < n_visible.unsqueeze(1), every, -1)
             rows = self.kv_source.rows
-            sel = torch.where(selected >= 0, self.kv_source.row_slots(batch.meta(self.kv_source), req,
-                                                                      selected.clamp(min=0)), -1)
+            sel = self.kv_source.masked_slots(batch.meta(self.kv_source), req, selected)
         return ops.sparse_attention_paged(q, self.window_cache.rows, win, rows, sel, self.attn_sink, self.scale)

@@ -85,8 +85,7 @@ class _DeepInferLinear:
         if self.scale is None or self.groups > 1 or ops.batch_invariant() or not marlin.supported(
                 self.weight.device, self._packed_dtype, self.weight.shape[1], self.block):
             return
-        self.marlin = marlin.MarlinFP8.from_packed(self.weight.data, self.scale.data, self.block, self.groups,
-                                                   self._packed_dtype)
+        self.marlin = marlin.MarlinFP8.from_packed(self.weight.data, self.scale.data, self.block, self._packed_dtype)
         self.weight = self.scale = None
 
     @property

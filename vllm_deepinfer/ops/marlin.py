@@ -39,49 +39,37 @@ def supported(device: torch.device, dtype: torch.dtype, k: int, block: tuple[int
 
 
 class MarlinFP8(nn.Module):
-    """G matrices W_g [N/G, K] (G = `groups`; the rows of one stored [N, K] FP8 tensor) in Marlin's layout.
+    """One FP8 matrix W [N, K] in Marlin's layout; `forward(x)`: x [T, K] -> x W^T [T, N] in x.dtype.
+    Build with `from_packed` from the E4M3 codes and E8M0 block bytes."""
 
-    `forward(x)`: x [T, G*K] -> [T, N], group g's input x[:, g*K:(g+1)*K] times W_g (G = 1: a plain linear;
-    G > 1: the grouped `wo_a`). Build with `from_packed` from the E4M3 codes and E8M0 block bytes."""
-
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, n: int, k: int, groups: int):
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, n: int, k: int):
         super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)   # [G, *marlin repacked int32]
-        self.scale = nn.Parameter(scale, requires_grad=False)     # [G, *marlin permuted e8m0]
-        self.n, self.k, self.groups = n, k, groups                # per group: [n, k]
+        self.weight = nn.Parameter(weight, requires_grad=False)   # Marlin-repacked int32 codes
+        self.scale = nn.Parameter(scale, requires_grad=False)     # Marlin-permuted E8M0 group scales
+        self.n, self.k = n, k
 
     @classmethod
-    def from_packed(cls, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], groups: int,
+    def from_packed(cls, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
                     dtype: torch.dtype) -> "MarlinFP8":
         """w: E4M3 [N, K]; scale: E8M0 bytes [ceil(N/BN), ceil(K/BK)]; dtype: the activations' dtype."""
         from vllm.model_executor.layers.quantization.utils.marlin_utils_fp8 import (
             prepare_mxfp8_layer_for_marlin,
         )
 
-        n_total, k = w.shape
-        n = n_total // groups
-        mx = mx_scales(scale, block, n_total, k)
-        weights, scales = [], []
-        for g in range(groups):
-            holder = nn.Module()  # the layer interface vLLM's repacking reads and rewrites
-            holder.weight = nn.Parameter(w[g * n:(g + 1) * n].contiguous(), requires_grad=False)
-            holder.weight_scale = nn.Parameter(mx[g * n:(g + 1) * n].contiguous(), requires_grad=False)
-            holder.input_size_per_partition, holder.output_size_per_partition = k, n
-            default = torch.get_default_dtype()
-            torch.set_default_dtype(dtype)  # vLLM permutes the scales in the default dtype
-            try:
-                prepare_mxfp8_layer_for_marlin(holder)
-            finally:
-                torch.set_default_dtype(default)
-            weights.append(holder.weight.data)
-            scales.append(holder.weight_scale.data)
-        return cls(torch.stack(weights), torch.stack(scales), n, k, groups)
+        n, k = w.shape
+        holder = nn.Module()  # the layer interface vLLM's repacking reads and rewrites
+        holder.weight = nn.Parameter(w.contiguous(), requires_grad=False)
+        holder.weight_scale = nn.Parameter(mx_scales(scale, block, n, k), requires_grad=False)
+        holder.input_size_per_partition, holder.output_size_per_partition = k, n
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)  # vLLM permutes the scales in the default dtype
+        try:
+            prepare_mxfp8_layer_for_marlin(holder)
+        finally:
+            torch.set_default_dtype(default)
+        return cls(holder.weight.data, holder.weight_scale.data, n, k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from vllm.model_executor.layers.quantization.utils.marlin_utils_fp8 import apply_mxfp8_marlin_linear
 
-        if self.groups == 1:
-            return apply_mxfp8_marlin_linear(x, self.weight[0], self.scale[0], None, self.n, self.k)
-        xg = x.view(x.shape[0], self.groups, self.k)
-        return torch.cat([apply_mxfp8_marlin_linear(xg[:, g], self.weight[g], self.scale[g], None, self.n, self.k)
-                          for g in range(self.groups)], dim=1)
+        return apply_mxfp8_marlin_linear(x, self.weight, self.scale, None, self.n, self.k)
