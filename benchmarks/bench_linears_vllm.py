@@ -7,7 +7,8 @@ default, `ops.marlin`) vs the plugin's Triton weight-only FP8 GEMM (`kernels_nvi
 Needs vLLM 0.32 on CUDA (on the H200: `source shared/gpu/env.sh`). Shapes (model-spec §0.1, V4.1: D=5120,
 q_lora 1280, 64 x 512 heads, 8 wo_a groups of 1024, shared expert 2304, indexer 32 x 128; 32x32 scale
 blocks): every FP8 matrix of one attention + shared-expert sublayer. Median us with CUDA graphs
-(`--eager`: plain launches); the `layer` rows sum the matrices. rel err: ||y - ref|| / ||ref|| against
+(`--eager`: plain launches); the `layer` rows sum the matrices, `layer stacked` with the
+`FUSED` pairs as one GEMM each (what the model runs). rel err: ||y - ref|| / ||ref|| against
 `reference.linear_fp8_block` in fp32 on the CPU (bound 4e-3, see tests/gpu/test_gemm_kernels.py).
 """
 
@@ -29,6 +30,9 @@ BLOCK = 32
 SHAPES = {"wq_a": (1280, 5120, 1), "wq_b": (32768, 1280, 1), "wkv": (512, 5120, 1), "wo_a": (8192, 4096, 8),
           "wo_b": (5120, 8192, 1), "indexer.wq_b": (4096, 1280, 1), "shared.w1": (2304, 5120, 1),
           "shared.w3": (2304, 5120, 1), "shared.w2": (5120, 2304, 1)}
+#: the stacked matrices the model multiplies instead of their parts (`Linear.fuse_outputs`): part names
+FUSED = {"wq_a|wkv": ("wq_a", "wkv"), "shared.w1|w3": ("shared.w1", "shared.w3")}
+SHAPES.update({name: (sum(SHAPES[p][0] for p in parts), 5120, 1) for name, parts in FUSED.items()})
 
 
 def main() -> int:
@@ -46,7 +50,7 @@ def main() -> int:
     dev, dtype = "cuda", torch.bfloat16
     bench = timer(args.eager)
     torch.manual_seed(0)
-    rows, layer = [], {}
+    rows, layer, matrix_us = [], {}, {}
     for name, (n, k, groups) in SHAPES.items():
         codes, scale = quant_fp8_block(torch.randn(n, k) / k ** 0.5, BLOCK)
         scale = scale.view(torch.uint8)
@@ -66,11 +70,16 @@ def main() -> int:
                 err = ((got - want).norm() / want.norm()).item()
                 us = bench(fn) * 1e3
                 rows.append({"matrix": name, "T": t, "impl": impl, "us": us, "rel_err": err})
-                layer[(t, impl)] = layer.get((t, impl), 0.0) + us
+                if name not in FUSED:
+                    layer[(t, impl)] = layer.get((t, impl), 0.0) + us
+                matrix_us[(name, t, impl)] = us
                 gbs = (n * k * (1 + 1 / 32) if impl == "marlin" else n * k * (2 if impl == "bf16" else 1)) / us / 1e3
                 print(f"{name:13s} T={t:5d} {impl:7s} {us:9.1f} us {gbs:7.0f} GB/s  rel err {err:.2e}", flush=True)
     for (t, impl), us in sorted(layer.items()):
         print(f"layer         T={t:5d} {impl:7s} {us:9.1f} us  (ratio to bf16 {layer[(t, 'bf16')] / us:.2f}x)")
+        fused = us + sum(matrix_us[(f, t, impl)] - sum(matrix_us[(p, t, impl)] for p in parts)
+                         for f, parts in FUSED.items())
+        print(f"layer stacked T={t:5d} {impl:7s} {fused:9.1f} us  (wq_a|wkv and shared w1|w3 as one GEMM each)")
     bad = [r for r in rows if r["rel_err"] > 4e-3]
     print("correctness:", "PASS" if not bad else f"FAIL {bad[:3]}")
     if args.json:

@@ -14,6 +14,8 @@
 #   bash benchmarks/gpu_session.sh fw BUDGET_S      # a full-width reduced-depth V4.1 checkpoint made here by
 #       make_checkpoint --preset full-width: in-tree (eager) || the plugin with CUDA graphs, exact and parity
 #   bash benchmarks/gpu_session.sh engram BUDGET_S  # one GPU: DEEPINFER_ENGRAM_DEVICE=host vs gpu, CUDA graphs
+#   bash benchmarks/gpu_session.sh invariant BUDGET_S  # one GPU, ~8 min: tests/gpu/test_batch_invariance_gpu.py
+#       (V1 runner, CASES=200; TESTS=... picks others) then bench_e2e --invariant (decode 1/16/64 + prefill)
 #   bash benchmarks/gpu_session.sh tp BUDGET_S      # two GPUs: tensor_parallel_size 2 vs 1, CUDA graphs
 #   bash benchmarks/gpu_session.sh dpep BUDGET_S    # two GPUs, ~9 min: `vllm serve --data-parallel-size 2
 #       --enable-expert-parallel --enable-eplb` (2 redundant experts, rebalanced every 16 steps) vs one GPU on the
@@ -27,7 +29,7 @@
 #   packed storage on our side, 24 GiB KV both sides). Estimated device time on a staged host with JIT caches
 #   restored (cold in-tree JIT adds minutes: see shared/gpu/README.md):
 #   bash benchmarks/gpu_session.sh compact BUDGET_S      # ~8 min: in-tree then ours, prefill 1k/4k/16k + decode
-#       1/16/64/256 (steady-state step times), 1 timed rep, graphs 1/16/64/256, no JIT warm-up -> $OUT/e2e.tgz
+#       1/16/64/256 (steady-state step times), REPS timed reps (default 1), graphs 1/16/64/256, no JIT warm-up -> $OUT/e2e.tgz
 #   bash benchmarks/gpu_session.sh intree-bench|ours-bench BUDGET_S   # ~4-5 min each: the same, 3 reps, one side
 #   bash benchmarks/gpu_session.sh serve-intree|serve-ours BUDGET_S   # ~6 min each: vllm serve + vllm bench serve,
 #       random 1024 in / 128 out, 200 prompts at concurrency 1, 8, 32, 128 -> $OUT/serve-<side>.tgz
@@ -186,7 +188,7 @@ ours_bench() {  # BUDGET_S
 compact_bench() {  # BUDGET_S: both sides of the protocol in one call (ours with 2/5 of it, then in-tree with the rest)
   local budget=$1 t0=$SECONDS
   vllm_env
-  local C="$BENCH --reps 1 --warmup 1 --decode-tokens 48 --gpu-mem 0.9"
+  local C="$BENCH --reps ${REPS:-1} --warmup 1 --decode-tokens 48 --gpu-mem 0.9"
   # PROFILE=B: also the per-op kernel profile of ours (one prefill call, decode per step at batch B)
   $C --only ours --timeout $((budget * 2 / 5)) ${PROFILE:+--profile --profile-batch $PROFILE --profile-top 40} \
     > "$OUT/bench_compact.out" 2>&1
@@ -232,6 +234,24 @@ sweep_bench() {  # SIDE BUDGET_S
   tar czf "$OUT/sweep-$side.tgz" -C /tmp/sweep "$side" 2>/dev/null
   tail -12 "$OUT/sweep_$side.out"
   echo "sweep $side done t=$((SECONDS - t0)) s"
+}
+
+invariant_session() {  # BUDGET_S, one GPU (issue 12): the batch-invariance test with CUDA graphs (V1 runner,
+  # N_GPU_CASES batches, and the companion with invariance off), then the default-vs-invariant benchmark
+  local budget=$1 t0=$SECONDS
+  vllm_env
+  local half=$((budget / 2))
+  [ "${SKIP_TEST:-0}" = 1 ] || DEEPINFER_INVARIANCE_CASES=${CASES:-200} timeout $half python3 -m pytest -q -s \
+    -p no:cacheprovider tests/gpu/test_batch_invariance_gpu.py -k "${TESTS:-v1-runner or default_path}" \
+    > "$LOGS/invariance_test.log" 2>&1
+  echo "invariance test rc=$? t=$((SECONDS - t0)) s"
+  grep -E "GPU batch invariance|invariance off|passed|failed|Error" "$LOGS/invariance_test.log" | cut -c1-300 | tail -8
+  [ "${SKIP_BENCH:-0}" = 1 ] || $BENCH --invariant --reps ${REPS:-1} --warmup 1 --decode-tokens 48 --gpu-mem 0.9 \
+    --decode-batches 1,16,64 --timeout $((budget - (SECONDS - t0) - 20)) > "$OUT/bench_invariant.out" 2>&1
+  grep -E "^\| |\[(ours|invariant)\] (prefill|decode)" "$OUT/bench_invariant.out" | tail -20
+  tar czf "$OUT/e2e-invariant.tgz" --exclude 'model-*' -C /tmp bench_e2e 2>/dev/null
+  pack_logs
+  echo "invariant session done t=$((SECONDS - t0)) s"
 }
 
 engram_session() {  # BUDGET_S, one GPU: V4.1 Engram tables in pinned host memory vs on the GPU, CUDA graphs
@@ -330,6 +350,7 @@ case "$mode" in
   memo) memo_session "${2:-560}" ;;
   fw) fw_session "${2:-560}" ;;
   engram) engram_session "${2:-560}" ;;
+  invariant) invariant_session "${2:-560}" ;;
   tp) tp_session "${2:-560}" ;;
   dpep) dpep_session "${2:-560}" ;;
   par-bench) vllm_env; par_bench "${2:-tp}" "${3:-560}"; pack_logs ;;

@@ -37,6 +37,7 @@ class Attention(nn.Module):
         self.wq_b = ColumnLinear(arch.q_lora_rank, h * d, prefix=f"{prefix}.wq_b")
         self.wkv = Linear(arch.hidden_size, d, prefix=f"{prefix}.wkv")
         self.kv_norm = RMSNorm(d, arch.rms_norm_eps)
+        self.wq_a.fuse_outputs(self.wkv)  # both read x: one GEMM where Marlin serves them (in-tree: fused_wqa_wkv)
         self.wo_a = ColumnLinear(h * d // arch.o_groups, arch.o_groups * arch.o_lora_rank, prefix=f"{prefix}.wo_a")
         self.wo_b = RowLinear(arch.o_groups * arch.o_lora_rank, arch.hidden_size, prefix=f"{prefix}.wo_b")
         tp = self.wq_b.tp_size
@@ -72,12 +73,13 @@ class Attention(nn.Module):
         """
         t = x.shape[0]
         cos, sin = batch.token_cos_sin(self.rope)
-        cq = self.q_norm(self.wq_a(x))
+        cq, kv = self.wq_a.forward_group(x)  # x wq_a^T, x wkv^T
+        cq = self.q_norm(cq)
         q = self.wq_b(cq).view(t, self.n_heads, self.head_dim)
         if self.per_head_q_norm:
             q = ops.rms_norm(q, None, self.eps)
         q = ops.apply_rope(q, cos, sin)
-        kv = ops.apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
+        kv = ops.apply_rope(self.kv_norm(kv), cos, sin)
         if self.parity_kv:  # fp8_ds_mla window record
             kv = quant.kv_record_roundtrip(kv, rope_dim=2 * cos.shape[-1])
         if not batch.has_cache:  # vLLM dummy/profiling run: no cache to attend to

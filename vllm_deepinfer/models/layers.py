@@ -57,6 +57,11 @@ class _DeepInferLinear:
         self.marlin: marlin.MarlinFP8 | None = None
         # Parity numerics: FP8 activation quantisation block (None = off, the default).
         self.act_block: int | None = None
+        # `fuse_outputs`: the linears multiplied with this one (a tuple: not registered as submodules),
+        # whether this one is multiplied by another's GEMM, and the output split of the stacked GEMM.
+        self.fused_with: tuple[_DeepInferLinear, ...] = ()
+        self.fused_away = False
+        self.fused_sizes: list[int] | None = None
 
     def pack_fp8(self, block: int) -> None:
         """Switch to FP8 block storage (filled by the loader). The scales start at byte 127 (1.0): vLLM's
@@ -76,17 +81,51 @@ class _DeepInferLinear:
         set_weight_attrs(self.scale, attrs)
         self.block = (block, block)
 
+    def fuse_outputs(self, *others: "_DeepInferLinear") -> None:
+        """Declare that `others` read this linear's input: after loading, where Marlin serves all of them,
+        they multiply as one GEMM of the stacked matrix [N + sum N_o, K] (`forward_group`). Marlin leaves
+        most of the GPU idle on thin matrices (wkv 512 x 5120: 19 us against 12 us for wq_a 1280 x 5120
+        on the H200, benchmarks/results/gpu_e2e/2026-12-01b/bench_linears.log), as vLLM's in-tree
+        `fused_wqa_wkv` and `gate_up_proj` avoid."""
+        self.fused_with = others
+        for o in others:
+            o.fused_away = True
+
+    def _marlin_serves(self) -> bool:
+        """Whether this packed linear moves to Marlin's layout (see `finish_loading`)."""
+        return (self.scale is not None and self.groups == 1 and not ops.batch_invariant()
+                and marlin.supported(self.weight.device, self._packed_dtype, self.weight.shape[1], self.block))
+
+    def _to_marlin(self) -> None:
+        self.marlin = marlin.MarlinFP8.from_packed(self.weight.data, self.scale.data, self.block, self._packed_dtype)
+        self.weight = self.scale = None
+
     def finish_loading(self) -> None:
         """After the loader filled a packed weight: move it to Marlin's layout where Marlin serves it (CUDA,
         bf16/fp16 activations, K on 32-element groups), freeing the E4M3 codes and block bytes. The grouped
         `wo_a` stays on `ops.linear_fp8_block` (one launch for all groups: 41 vs 105 us for the 8 Marlin
         calls at V4.1 widths on the H200, benchmarks/results/gpu_e2e/2026-12-01b/bench_linears.log), and so
-        does every linear in batch-invariant mode (Marlin picks its kernel configuration by M)."""
-        if self.scale is None or self.groups > 1 or ops.batch_invariant() or not marlin.supported(
-                self.weight.device, self._packed_dtype, self.weight.shape[1], self.block):
+        does every linear in batch-invariant mode (Marlin picks its kernel configuration by M).
+
+        `fuse_outputs` groups convert at their first linear's call (every weight is loaded by then), as one
+        stacked matrix when all members are served and every split falls on a scale block."""
+        if self.fused_away or not self._marlin_serves():
             return
-        self.marlin = marlin.MarlinFP8.from_packed(self.weight.data, self.scale.data, self.block, self._packed_dtype)
-        self.weight = self.scale = None
+        members = (self,) + self.fused_with
+        k, (bn, _) = self.weight.shape[1], self.block
+        if self.fused_with and all(m._marlin_serves() and m.weight.shape[1] == k and m.block == self.block
+                                   and m.act_block == self.act_block for m in self.fused_with) \
+                and all(m.weight.shape[0] % bn == 0 for m in members[:-1]):
+            self.fused_sizes = [m.weight.shape[0] for m in members]
+            w = torch.cat([m.weight.data for m in members])
+            s = torch.cat([m.scale.data for m in members])
+            self.marlin = marlin.MarlinFP8.from_packed(w, s, self.block, self._packed_dtype)
+            for m in members:
+                m.weight = m.scale = None
+            return
+        for m in members:
+            if m._marlin_serves():
+                m._to_marlin()
 
     @property
     def act_dtype(self) -> torch.dtype:
@@ -102,12 +141,27 @@ class _DeepInferLinear:
             return ops.linear_fp8_block(x, self.weight, self.scale, self.block, self.groups)
         return ops.linear(x, self.weight, self.groups)
 
+    def _input(self, x: torch.Tensor) -> torch.Tensor:
+        """x in the model dtype, through the parity activation quantiser when it is on."""
+        x = x.to(self.act_dtype)
+        return x if self.act_block is None else quant.act_roundtrip(x, self.act_block)
+
     def forward_local(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's product (`DeepInferLinearMethod.apply`), with parity activation quantisation."""
-        x = x.to(self.act_dtype)
-        if self.act_block is not None:
-            x = quant.act_roundtrip(x, self.act_block)
-        return self.matmul(x)
+        return self.matmul(self._input(x))
+
+    def matmul_group(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`matmul` of this linear and of its `fuse_outputs` linears: x [T, K] -> ([T, N], [T, N_o]...),
+        column slices of one GEMM's output when the group was stacked at load."""
+        if self.fused_sizes is not None:
+            return self.marlin(x).split(self.fused_sizes, dim=-1)
+        return (self.matmul(x),) + tuple(o.matmul(x) for o in self.fused_with)
+
+    def forward_group(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`forward_local` of this linear and of its `fuse_outputs` linears (replicated linears only)."""
+        if self.fused_sizes is not None:
+            return self.matmul_group(self._input(x))
+        return (self.forward_local(x),) + tuple(o.forward_local(x) for o in self.fused_with)
 
 
 class Linear(_DeepInferLinear, ReplicatedLinear):

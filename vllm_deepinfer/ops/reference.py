@@ -249,16 +249,17 @@ def sqrtsoftplus_route(logits: torch.Tensor, bias: torch.Tensor | None, topk: in
     return ids, scale * picked / (picked.sum(-1, keepdim=True) + 1e-20)
 
 
-def swiglu_clamped(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+def swiglu_clamped(x: torch.Tensor, w1, w3, w2,
                    limit: float, act=None) -> torch.Tensor:
     """Clamped SwiGLU expert: (silu(min(x w1, l)) * clamp(x w3, -l, l)) w2. x: [T, D] -> [T, D].
-    w1, w3: [I, D] and w2: [D, I] weights, or callables t -> t W^T (FP8-packed linears).
+    w1, w3: [I, D] and w2: [D, I] weights, or callables t -> t W^T (FP8-packed linears); w3 = None:
+    w1 is a callable giving both products (t W1^T, t W3^T) (one stacked GEMM, `Linear.matmul_group`).
 
     `act`: optional function applied to each GEMM input (parity numerics: FP8 activation round trip)."""
     act = act or (lambda t: t)
     xa = act(x)
-    a = _mm(xa, w1).float().clamp(max=limit)
-    b = _mm(xa, w3).float().clamp(-limit, limit)
+    a, b = w1(xa) if w3 is None else (_mm(xa, w1), _mm(xa, w3))
+    a, b = a.float().clamp(max=limit), b.float().clamp(-limit, limit)
     return _mm(act((elementwise(F.silu, a) * b).to(x.dtype)), w2)
 
 
