@@ -460,10 +460,13 @@ def main(argv=None) -> int:
     print("\n".join(layer_split(model)), flush=True)
     impls = [a.only] if a.only else ["invariant", "ours"] if a.invariant else ["ours", "intree"]
     fwd = list(argv if argv is not None else sys.argv[1:])
-    skip = {"--only", "--out", "--model", "--timeout", "--set", "--invariant"}
+    skip = {"--only", "--out", "--model", "--timeout", "--set"}  # options with a value
     passthru, i = [], 0
     while i < len(fwd):
         x = fwd[i]
+        if x == "--invariant":  # a flag: no value follows
+            i += 1
+            continue
         if x.split("=")[0] in skip:
             i += 1 if "=" in x else 2
             continue

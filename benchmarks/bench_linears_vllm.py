@@ -56,8 +56,8 @@ def main() -> int:
         scale = scale.view(torch.uint8)
         w, s = codes.to(dev), scale.to(dev)
         dense = dequant_fp8_block(codes, scale.view(torch.float8_e8m0fnu), BLOCK).to(dev, dtype)
-        rows = n // groups  # wo_a: one Marlin matrix per group (the 8-call form the model does not use)
-        mar = [marlin.MarlinFP8.from_packed(w[g * rows:(g + 1) * rows], s[g * rows // BLOCK:(g + 1) * rows // BLOCK],
+        per = n // groups  # wo_a: one Marlin matrix per group (the 8-call form the model does not use)
+        mar = [marlin.MarlinFP8.from_packed(w[g * per:(g + 1) * per], s[g * per // BLOCK:(g + 1) * per // BLOCK],
                                             (BLOCK, BLOCK), dtype) for g in range(groups)]
         for t in (int(v) for v in args.tokens.split(",")):
             x = torch.randn(t, groups * k, device=dev, dtype=dtype)

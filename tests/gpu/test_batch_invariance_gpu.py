@@ -10,12 +10,14 @@ the same comparison with invariance off and reports how many batches differ (it 
 
     PYTHONPATH=$PWD python3 -m pytest -q -s tests/gpu/test_batch_invariance_gpu.py
 
-Not run yet (no GPU in the development box); the CPU test is `tests/test_batch_invariance.py`.
+H200, 2026-12-01: the V1-runner test passed 200/200 (NOTES.md); the CPU test is `tests/test_batch_invariance.py`.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,19 +34,20 @@ pytestmark = pytest.mark.gpu
 def model_dir(tmp_path_factory):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from benchmarks.bench_e2e import write_model_dir
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # bench_e2e's own imports
+    from bench_e2e import write_model_dir
 
     return write_model_dir("v4.1-flash", "full-width", tmp_path_factory.mktemp("fw") / "v41-fw", layers=4)
 
 
-def _gpu_engine(model_dir, invariant: bool, monkeypatch, v2_runner: bool = False):
+def _gpu_engine(model_dir, invariant: bool, monkeypatch, v2_runner: bool = False, blocks: int = cpu.BLOCKS):
     monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1" if invariant else "0")
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1" if v2_runner else "0")
     monkeypatch.setenv("DEEPINFER_FP8_LINEARS", "packed")
     monkeypatch.setenv("DEEPINFER_EXPERT_STORAGE", "packed")
     return engine(model_dir, load_format="dummy", dtype="bfloat16", enforce_eager=False, gpu_memory_utilization=0.5,
                   enable_prefix_caching=True, block_size=16, max_num_batched_tokens=cpu.BUDGET, max_num_seqs=16,
-                  max_model_len=160, num_gpu_blocks_override=cpu.BLOCKS, scheduling_policy="priority",
+                  max_model_len=160, num_gpu_blocks_override=blocks, scheduling_policy="priority",
                   logits_processors=[cpu.CaptureLogits],
                   compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16], "cudagraph_mode": "FULL_AND_PIECEWISE"})
 
@@ -58,7 +61,9 @@ def test_batch_invariant_cuda_graphs(model_dir, monkeypatch, v2_runner):
 
 
 def test_default_path_is_batch_dependent_cuda(model_dir, monkeypatch):
-    with _gpu_engine(model_dir, False, monkeypatch) as llm:
+    # the default path (bounded replay on) sizes its window caches larger: the CPU pool of BLOCKS left it
+    # 144 tokens of the 160 needed on the H200 (2026-12-01); the companion needs no preemption to differ
+    with _gpu_engine(model_dir, False, monkeypatch, blocks=2 * cpu.BLOCKS) as llm:
         bad, _ = cpu._run_cases(llm, cpu.N_COMPANION, case_seed=1, seeded=False)
     print(f"\nGPU, invariance off: {len(bad)}/{cpu.N_COMPANION} batches changed the target")
     assert bad, "invariance off, yet every batch reproduced the solo run"
