@@ -11,15 +11,18 @@ path builds at load, and y equals the bf16 reference up to the fp32 accumulation
 
 Strategies (selected by M only above a fixed threshold):
 * direct (`_fp8_gemm_kernel`, every M <= DIRECT_MAX_M, and every M when BATCH_INVARIANT): grid over
-  (N tiles, M tiles) with one fixed tile shape, the K loop in order, one tl.dot per K tile, no split-K.
-  A row's result is bitwise the same whatever M is (batch-invariant). Memory-bound in decode: W is read
-  once per M tile (a second M tile re-reads it from L2).
+  (N tiles, M tiles, K splits) with one fixed tile shape, each split's K loop in order, one tl.dot per
+  K tile. A matrix with few N tiles (thin N: wq_a 1280 x 5120 has 20) splits K into `split_k(N, K)`
+  ranges, a number fixed by the matrix and the GPU's SM count, never by M; the fp32 partials are summed
+  in split order by `_sum_splits_kernel`. A row's result is bitwise the same whatever M is
+  (batch-invariant). Memory-bound in decode: W is read once per M tile (a second M tile re-reads it
+  from L2).
 * dequant + cuBLAS (M > DIRECT_MAX_M, prefill): `_dequant_kernel` writes W to a bf16 scratch, then
   torch.matmul. cuBLAS picks its algorithm from M, so rows depend on M there; set
   KERNELS_NVIDIA_BATCH_INVARIANT=1 (or `gemm.BATCH_INVARIANT = True`) to keep the direct kernel for all M.
 
 Both are sync-free (no host reads of device data) and CUDA-graph capturable; the scratch of the prefill
-path comes from torch's caching allocator.
+path and the split partials come from torch's caching allocator.
 """
 
 from __future__ import annotations
@@ -32,9 +35,12 @@ import triton.language as tl
 
 BATCH_INVARIANT = os.environ.get("KERNELS_NVIDIA_BATCH_INVARIANT", "0") == "1"
 DIRECT_MAX_M = 1024  # above: dequantise to a bf16 scratch + cuBLAS (not batch-invariant)
-# Fixed tiles of the direct kernel (never chosen from M): tokens x output features; the K tile is the
-# scale block's K extent capped at 128, so one scale per output row covers a whole K tile.
-TILE_M, TILE_N, MAX_TILE_K, WARPS, STAGES = 64, 64, 128, 4, 4
+# Fixed tiles of the direct kernel (never chosen from M): tokens x output features x K; a K tile spans
+# 128 / BK scale blocks (V4.1: 4 of 32), each element reads its block's scale byte.
+TILE_M, TILE_N, TILE_K, WARPS, STAGES = 64, 64, 128, 4, 4
+MIN_SPLIT_TILES = 4   # K tiles per split at least
+SPLIT_ROWS = 1024     # rows per launch when K is split: bounds the fp32 partials (split * rows * N * 4 B)
+_SMS: dict[int, int] = {}  # CUDA device index -> SM count
 # Triton's interpreter multiplies bf16 tl.dot operands wrongly (triton 3.6); there the dequantised tiles go
 # to tl.dot as fp32 (exact: bf16 values, IEEE products), on the GPU as bf16.
 _DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
@@ -49,31 +55,49 @@ def _dequant(codes, scale_bytes):
 
 
 @triton.jit(do_not_specialize=["M"])
-def _fp8_gemm_kernel(X, W, S, Y, M, N, K, sx_m, sy_m, s_sn, n_group,
+def _fp8_gemm_kernel(X, W, S, Y, M, N, K, sx_m, sy_m, sy_s, s_sn, n_group, k_split,
                      BN: tl.constexpr, BK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
-    """Y[m, n] = sum_k X[m, g(n)*K + k] * W[n, k], g(n) = n // n_group. X/Y bf16, W E4M3 [N, K], S uint8."""
-    pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+                     BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr, DOT_F32: tl.constexpr):
+    """Y[m, n] = sum_k X[m, g(n)*K + k] * W[n, k], g(n) = n // n_group, over this program's K range
+    [pid_s * k_split, +k_split). X bf16, W E4M3 [N, K], S uint8; Y bf16, or the fp32 partial of split
+    pid_s at Y + pid_s * sy_s when PARTIAL."""
+    pid_n, pid_m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mmask, nmask = offs_m < M, offs_n < N
     x_base = X + offs_m[:, None].to(tl.int64) * sx_m + (pid_n * BLOCK_N // n_group) * K
     w_base = W + offs_n[:, None].to(tl.int64) * K
-    s_base = S + (offs_n // BN) * s_sn
+    s_base = S + (offs_n // BN)[:, None] * s_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_lo = pid_s * k_split
+    for k0 in range(k_lo, k_lo + k_split, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         kmask = offs_k < K
         x = tl.load(x_base + offs_k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-        codes = tl.load(w_base + offs_k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-        sb = tl.load(s_base + k0 // BK, mask=nmask, other=127)
-        w = _dequant(codes, sb[:, None])
+        wmask = nmask[:, None] & kmask[None, :]
+        codes = tl.load(w_base + offs_k[None, :], mask=wmask, other=0.0)
+        sb = tl.load(s_base + (offs_k // BK)[None, :], mask=wmask, other=127)
+        w = _dequant(codes, sb)
         if DOT_F32:
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
             acc += tl.dot(x, tl.trans(w))
     y = Y + offs_m[:, None].to(tl.int64) * sy_m + offs_n[None, :]
-    tl.store(y, acc.to(tl.bfloat16), mask=mmask[:, None] & nmask[None, :])
+    if PARTIAL:
+        tl.store(y + pid_s.to(tl.int64) * sy_s, acc, mask=mmask[:, None] & nmask[None, :])
+    else:
+        tl.store(y, acc.to(tl.bfloat16), mask=mmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _sum_splits_kernel(P, Y, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """Y[i] = bf16(sum_s P[s, i]) in split order (s = 0, 1, ...); P fp32 [SPLIT, MN]."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.load(P + offs, mask=mask, other=0.0)
+    for s in range(1, SPLIT):
+        acc += tl.load(P + s * MN + offs, mask=mask, other=0.0)
+    tl.store(Y + offs, acc.to(tl.bfloat16), mask=mask)
 
 
 @triton.jit
@@ -104,6 +128,26 @@ def _check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[i
                                   f"multiple of {TILE_N}")
 
 
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of `device` (132 off CUDA: the interpreter runs the H200's split)."""
+    if device.type != "cuda":
+        return 132
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _SMS:
+        _SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _SMS[i]
+
+
+def split_k(n: int, k: int, device: torch.device) -> int:
+    """K splits of an [N, K] matrix: doubled while the N tiles x splits leave SMs idle and every split
+    keeps MIN_SPLIT_TILES K tiles. Depends on the matrix and the GPU only (batch-invariant)."""
+    n_tiles, k_tiles, sms = triton.cdiv(n, TILE_N), triton.cdiv(k, TILE_K), _sm_count(device)
+    split = 1
+    while n_tiles * split < sms and k_tiles >= 2 * split * MIN_SPLIT_TILES:
+        split *= 2
+    return split
+
+
 def dequant_to_bf16(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """E4M3 w [N, K] + uint8 E8M0 scale [ceil(N/BN), ceil(K/BK)] -> bf16 [N, K] (one pass)."""
     n, k = w.shape
@@ -132,10 +176,17 @@ def linear_fp8_block(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bloc
         y = torch.bmm(xg, wd.view(groups, n // groups, k).transpose(1, 2))  # [G, M, N/G]
         return y.transpose(0, 1).reshape(*lead, n)
     y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
-    if m:
-        grid = (triton.cdiv(n, TILE_N), triton.cdiv(m, TILE_M))
-        _fp8_gemm_kernel[grid](x2, w, scale, y, m, n, k, x2.stride(0), y.stride(0), scale.stride(0), n // groups,
-                               BN=block[0], BK=block[1], BLOCK_M=TILE_M, BLOCK_N=TILE_N,
-                               BLOCK_K=min(block[1], MAX_TILE_K), DOT_F32=_DOT_F32,
-                               num_warps=WARPS, num_stages=STAGES)
+    split = split_k(n // groups, k, x.device) if m else 1
+    k_split = triton.cdiv(triton.cdiv(k, TILE_K), split) * TILE_K
+    rows = SPLIT_ROWS if split > 1 else max(m, 1)
+    part = torch.empty(split, min(m, rows), n, dtype=torch.float32, device=x.device) if split > 1 else y
+    for r0 in range(0, m, rows):  # a row's result does not depend on its launch
+        r = min(rows, m - r0)
+        out = part if split > 1 else y[r0:]
+        grid = (triton.cdiv(n, TILE_N), triton.cdiv(r, TILE_M), split)
+        _fp8_gemm_kernel[grid](x2[r0:], w, scale, out, r, n, k, x2.stride(0), n, r * n, scale.stride(0), n // groups,
+                               k_split, BN=block[0], BK=block[1], BLOCK_M=TILE_M, BLOCK_N=TILE_N, BLOCK_K=TILE_K,
+                               PARTIAL=split > 1, DOT_F32=_DOT_F32, num_warps=WARPS, num_stages=STAGES)
+        if split > 1:
+            _sum_splits_kernel[(triton.cdiv(r * n, 1024),)](part, y[r0:], r * n, SPLIT=split, BLOCK=1024)
     return y.view(*lead, n)

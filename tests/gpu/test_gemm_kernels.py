@@ -42,10 +42,12 @@ def _run(x, w, s, block, groups=1):
     return gemm.linear_fp8_block(x, w, s, (block, block), groups)
 
 
-@pytest.mark.parametrize("block,n,k", [(32, 100, 96), (128, 192, 256), (32, 256, 160)])
+@pytest.mark.parametrize("block,n,k", [(32, 100, 96), (128, 192, 256), (32, 256, 160), (32, 96, 1056)])
 def test_linear_fp8_block(device, block, n, k):
     """Partial edge blocks along N and K (100 x 96 with 32 x 32 blocks), the release's 128 x 128 blocks,
-    and a K that is not a multiple of the kernel's K tile; M spans one partial and several token tiles."""
+    a K that is not a multiple of the kernel's K tile, and a thin matrix whose K is split (96 x 1056:
+    2 N tiles, 9 K tiles -> 2 splits, the last one partial); M spans one partial and several token tiles."""
+    from kernels_nvidia import gemm
     _seed()
     w, s = _weights(n, k, block, device)
     for m in (1, 5, 70):
@@ -53,18 +55,19 @@ def test_linear_fp8_block(device, block, n, k):
         y = _run(x, w, s, block)
         assert y.shape == (m, n) and y.dtype == torch.bfloat16
         err = _rel(y, _oracle(x, w, s, block))
-        print(f"fp8 block GEMM block={block} M={m} N={n} K={k}: rel err {err:.2e}")
+        print(f"fp8 block GEMM block={block} M={m} N={n} K={k} split={gemm.split_k(n, k, w.device)}: "
+              f"rel err {err:.2e}")
         assert err < BOUND
 
 
-@pytest.mark.parametrize("direct", [True, False])
-def test_linear_fp8_block_grouped(device, direct, monkeypatch):
-    """groups > 1 (the grouped wo_a: output group g reads input columns g*K..): direct kernel and the
-    dequantise + bmm path of large M."""
+@pytest.mark.parametrize("direct,k", [(True, 96), (True, 1024), (False, 96)])
+def test_linear_fp8_block_grouped(device, direct, k, monkeypatch):
+    """groups > 1 (the grouped wo_a: output group g reads input columns g*K..): direct kernel (K = 1024:
+    split in 2) and the dequantise + bmm path of large M."""
     from kernels_nvidia import gemm
     monkeypatch.setattr(gemm, "DIRECT_MAX_M", 1 << 30 if direct else 4)
     _seed()
-    groups, r, k, block = 4, 64, 96, 32
+    groups, r, block = 4, 64, 32
     w, s = _weights(groups * r, k, block, device)
     x = torch.randn(9, groups * k, device=device).to(torch.bfloat16)
     err = _rel(_run(x, w, s, block, groups), _oracle(x, w, s, block, groups))
@@ -86,11 +89,16 @@ def test_linear_fp8_block_dequant_path(device, monkeypatch):
                        ref.linear_fp8_block(torch.eye(96, dtype=torch.bfloat16), w.cpu(), s.cpu(), (32, 32)).t())
 
 
-def test_linear_fp8_block_batch_invariant(device):
-    """Row i is bitwise the same for M = 1, 64 and 256 (fixed tiles, no split-K, fixed K order)."""
+@pytest.mark.parametrize("thin", [False, True], ids=["one-split", "split-k"])
+def test_linear_fp8_block_batch_invariant(device, thin, monkeypatch):
+    """Row i is bitwise the same for M = 1, 64 and 256 (fixed tiles, fixed K splits in a fixed order;
+    SPLIT_ROWS = 64: the 256 rows of a split matrix take four launches)."""
+    from kernels_nvidia import gemm
+    monkeypatch.setattr(gemm, "SPLIT_ROWS", 64)
     _seed()
     small = device == "cpu"
-    n, k, block = (64, 64, 32) if small else (1280, 5120, 32)
+    n, k, block = ((64, 1024, 32) if thin else (64, 64, 32)) if small else ((1280, 5120, 32) if thin else (32768, 1280, 32))
+    assert (gemm.split_k(n, k, torch.device(device)) > 1) == thin
     w, s = _weights(n, k, block, device)
     x = torch.randn(256, k, device=device).to(torch.bfloat16)
     y256 = _run(x, w, s, block)
