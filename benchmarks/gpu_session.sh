@@ -241,6 +241,8 @@ invariant_session() {  # BUDGET_S, one GPU (issue 12): the batch-invariance test
   local budget=$1 t0=$SECONDS
   vllm_env
   local half=$((budget / 2))
+  timeout 90 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_marlin_invariance.py 2>&1 \
+    | grep -E "^Marlin|passed|failed" | tail -8  # may Marlin serve this mode? (rows vs M, exhaustive to 512)
   [ "${SKIP_TEST:-0}" = 1 ] || DEEPINFER_INVARIANCE_CASES=${CASES:-200} timeout $half python3 -m pytest -q -s \
     -p no:cacheprovider tests/gpu/test_batch_invariance_gpu.py -k "${TESTS:-v1-runner or default_path}" \
     > "$LOGS/invariance_test.log" 2>&1
