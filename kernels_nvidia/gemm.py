@@ -190,3 +190,16 @@ def linear_fp8_block(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bloc
         if split > 1:
             _sum_splits_kernel[(triton.cdiv(r * n, 1024),)](part, y[r0:], r * n, SPLIT=split, BLOCK=1024)
     return y.view(*lead, n)
+
+
+def linear_fp32_out(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ w [N, K]^T -> fp32 [M, N] for bf16/fp16 operands: one tensor-core GEMM with an fp32
+    epilogue (torch.mm out_dtype, cuBLAS; what vLLM's in-tree V4.1 runs for its router and compressor
+    projections) instead of an fp32 SGEMM on casted copies. cuBLAS picks its algorithm from M, so
+    batch-invariant mode keeps the reference."""
+    if BATCH_INVARIANT or x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype or x.dim() != 2:
+        raise NotImplementedError("fp32-output GEMM takes 2-D bf16/fp16 operands of one dtype")
+    try:
+        return torch.mm(x, w.t(), out_dtype=torch.float32)
+    except TypeError as e:  # torch without the out_dtype epilogue
+        raise NotImplementedError(str(e)) from e

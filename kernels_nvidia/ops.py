@@ -8,7 +8,7 @@ from kernels_nvidia.attention import (  # noqa: F401
     sparse_attention_paged,
 )
 from kernels_nvidia.compressor import softmax_pool  # noqa: F401
-from kernels_nvidia.gemm import linear_fp8_block  # noqa: F401
+from kernels_nvidia.gemm import linear_fp32_out, linear_fp8_block  # noqa: F401
 from kernels_nvidia.indexer import (  # noqa: F401
     indexer_scores,
     indexer_scores_paged,
@@ -23,5 +23,5 @@ from kernels_nvidia.rowwise import apply_rope, rms_norm  # noqa: F401
 # oracle keeps it (it is exact and deterministic on CUDA too); a Triton radix select is future work.
 OPS = ("sparse_attention", "sparse_attention_indexed", "sparse_attention_paged", "softmax_pool", "indexer_scores",
        "indexer_scores_paged", "indexer_scores_ragged",
-       "hc_coefficients", "hc_collapse", "hc_expand", "linear_fp8_block",
+       "hc_coefficients", "hc_collapse", "hc_expand", "linear_fp32_out", "linear_fp8_block",
        "routed_experts_packed", "rms_norm", "apply_rope")

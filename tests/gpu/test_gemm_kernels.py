@@ -134,3 +134,22 @@ def test_dispatch_uses_gemm_kernel(device):
     x = torch.randn(3, 512, device=device).to(torch.bfloat16)
     assert ops.backend_for(x) == "kernels_nvidia"
     assert _rel(ops.linear_fp8_block(x, w, s, (128, 128)), _oracle(x, w, s, 128)) < BOUND
+
+
+def test_linear_fp32_out(device):
+    """bf16 x bf16 -> fp32 epilogue GEMM (router logits, compressor projections) against the fp32 product of
+    the same values: only the fp32 summation order differs."""
+    if device != "cuda":
+        pytest.skip("cuBLAS epilogue: CUDA only")
+    from kernels_nvidia import gemm
+    _seed()
+    x = torch.randn(37, 5120, device=device).to(torch.bfloat16)
+    w = (torch.randn(384, 5120, device=device) / 70).to(torch.bfloat16)
+    try:
+        y = gemm.linear_fp32_out(x, w)
+    except NotImplementedError as e:
+        pytest.skip(f"this torch has no out_dtype GEMM: {e}")
+    assert y.dtype == torch.float32
+    err = _rel(y, ref.linear_fp32_out(x.cpu(), w.cpu()))
+    print(f"linear_fp32_out: rel err {err:.2e}")
+    assert err < 1e-5

@@ -40,8 +40,9 @@ class Compressor(nn.Module):
         super().__init__()
         self.width, self.ratio, self.overlap, self.gated = width, ratio, overlap, gated
         c = 2 if overlap else 1
-        self.wkv = Linear(hidden, c * width, dtype=torch.float32)
-        self.wgate = Linear(hidden, c * width, dtype=torch.float32) if gated else None
+        # BF16 in the checkpoint, held in the model dtype; the projections run with fp32 outputs
+        self.wkv = Linear(hidden, c * width)
+        self.wgate = Linear(hidden, c * width) if gated else None
         self.ape = _param(ratio, c * width, dtype=torch.float32) if with_ape else None
         self.norm = RMSNorm(width, eps)
         self.state_cache = None
@@ -56,8 +57,7 @@ class Compressor(nn.Module):
         x: [T, D] (the attention input). Returns the closed rows: one record for the one-token
         requests, one for all prefill spans — latents still without RoPE, applied at position m * g.
         """
-        xf = x.float()
-        kv = self.wkv(xf)
+        kv = ops.linear_fp32_out(x, self.wkv.weight)
         m, nd, pf = self.ratio, batch.n_dec, batch.prefill
         pos = batch.dec_positions
         if not self.gated:  # ratio 1: every token is its own group
@@ -65,7 +65,7 @@ class Compressor(nn.Module):
             if pf is not None:
                 out.append(ClosedRows(pf.req, pf.pos, self.norm(kv[pf.start:pf.end])))
             return out
-        score = self.wgate(xf)
+        score = ops.linear_fp32_out(x, self.wgate.weight)
         if self.ape is not None:
             score = score + self.ape[batch.positions.long() % m]
         state = torch.cat((kv, score), dim=-1)

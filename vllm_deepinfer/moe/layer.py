@@ -113,7 +113,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """x: [T, D] (normalised FFN input); token_ids: [T] -> [T, D]."""
-        logits = ops.linear(x.float(), self.gate.weight.float())
+        logits = ops.linear_fp32_out(x, self.gate.weight)
         y = self.experts(hidden_states=x, router_logits=logits, input_ids=token_ids)
         if self.shared_experts is not None:
             s = self.shared_experts

@@ -131,6 +131,10 @@ def topk_rows(scores, k):
     return _dispatch("topk_rows", scores, scores, k)
 
 
+def linear_fp32_out(x, w):
+    return _dispatch("linear_fp32_out", x, x, w)
+
+
 def linear_fp8_block(x, w, scale, block, groups=1):
     return _dispatch("linear_fp8_block", x, x, w, scale, block, groups)
 
@@ -238,7 +242,7 @@ def packed_storage(env: str, device_type: str) -> bool:
 
 for _f in (rms_norm, apply_rope, sparse_attention, sparse_attention_indexed, sparse_attention_gathered,
            sparse_attention_paged, softmax_pool, indexer_scores, indexer_scores_gathered, indexer_scores_paged,
-           indexer_scores_ragged, topk_rows, linear_fp8_block,
+           indexer_scores_ragged, topk_rows, linear_fp32_out, linear_fp8_block,
            hc_coefficients, hc_collapse, hc_expand, routed_experts, routed_experts_packed):
     _f.__doc__ = getattr(reference, _f.__name__).__doc__
 del _f

@@ -185,6 +185,13 @@ def linear(x: torch.Tensor, w: torch.Tensor, groups: int = 1) -> torch.Tensor:
     return grouped_low_rank(x.view(x.shape[0], groups, -1), w, groups)
 
 
+def linear_fp32_out(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x W^T in fp32 from operands held in the model dtype (router logits, compressor projections).
+    x: [T, K]; w: [N, K] -> fp32 [T, N]. Products of bf16 values are exact in fp32, so this is the fp32
+    product of the stored values whatever their dtype."""
+    return matmul(x.float(), w.float())
+
+
 def linear_fp8_block(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
                      groups: int = 1) -> torch.Tensor:
     """`linear` with W = dequant_fp8_block(w, scale, block) in x.dtype (model-spec §4.2).

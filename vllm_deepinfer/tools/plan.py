@@ -18,7 +18,7 @@ What it counts (every tensor comes from `checkpoint.inventory.expected_tensors`,
   - block-FP8 linears: ``--fp8-linears marlin`` (default: CUDA's packed storage, vLLM's Marlin W8A16 layout) =
     E4M3 codes (1 B) + one E8M0 byte per 1 x 32 group (Marlin's padding of N and K to its tiles is not counted:
     the release widths are multiples of 256); ``packed`` (the packed storage elsewhere) = codes + one E8M0 byte
-    per B x B block; ``bf16`` = dequantised to ``--dtype``. Compressor linears are kept in float32 (4 B) always.
+    per B x B block; ``bf16`` = dequantised to ``--dtype``.
   - MXFP4 routed experts: ``--experts packed`` = the checkpoint bytes (0.5 B per value + one E8M0 byte per 32);
     ``bf16`` = dequantised to ``--dtype``.
   - Engram tables: FP8 codes + one E8M0 byte per 32 values, always packed; ``--engram host`` (default; CUDA
@@ -165,8 +165,6 @@ def stored_bytes(name: str, dtype: str, shape: tuple[int, ...], dep: Deployment,
         if packed == "marlin":  # one byte per 1 x 32 group of the block's B x B values
             return n * block * block // 32
         return n if packed == "packed" else 0
-    if ".compressor." in name and dtype == "BF16" and len(shape) == 2:
-        return 4 * n  # compressor linears run in float32
     if dtype == "I8":  # MXFP4 expert codes, two values per byte
         return n if dep.experts == "packed" else 2 * n * dep.dtype_bytes
     if dtype == "F8_E4M3":
