@@ -139,11 +139,12 @@ def _sm_count(device: torch.device) -> int:
 
 
 def split_k(n: int, k: int, device: torch.device) -> int:
-    """K splits of an [N, K] matrix: doubled while the N tiles x splits leave SMs idle and every split
-    keeps MIN_SPLIT_TILES K tiles. Depends on the matrix and the GPU only (batch-invariant)."""
+    """K splits of an [N, K] matrix (N: every output column of the launch, all groups): doubled while the
+    N tiles x splits fill less than half of the SMs and every split keeps MIN_SPLIT_TILES K tiles (V4.1:
+    wq_a|wkv 4, wkv 8, indexer wq_b 2, the rest 1). Depends on the matrix and the GPU only (batch-invariant)."""
     n_tiles, k_tiles, sms = triton.cdiv(n, TILE_N), triton.cdiv(k, TILE_K), _sm_count(device)
     split = 1
-    while n_tiles * split < sms and k_tiles >= 2 * split * MIN_SPLIT_TILES:
+    while 2 * n_tiles * split <= sms and k_tiles >= 2 * split * MIN_SPLIT_TILES:
         split *= 2
     return split
 
@@ -176,7 +177,7 @@ def linear_fp8_block(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bloc
         y = torch.bmm(xg, wd.view(groups, n // groups, k).transpose(1, 2))  # [G, M, N/G]
         return y.transpose(0, 1).reshape(*lead, n)
     y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
-    split = split_k(n // groups, k, x.device) if m else 1
+    split = split_k(n, k, x.device) if m else 1
     k_split = triton.cdiv(triton.cdiv(k, TILE_K), split) * TILE_K
     rows = SPLIT_ROWS if split > 1 else max(m, 1)
     part = torch.empty(split, min(m, rows), n, dtype=torch.float32, device=x.device) if split > 1 else y
