@@ -132,9 +132,11 @@ class DeepseekV4MTP(nn.Module):
         # Draft-length policy of confidence-scheduled verification (DEEPINFER_ENABLE_MTP_VARLEN), driven by
         # patches/mtp_draft_lengths.py around vLLM's proposer.
         self.draft_policy = DraftLengthPolicy(spec.num_speculative_tokens, varlen_enabled())
-        from vllm_deepinfer.patches import mtp_draft_lengths
+        from vllm_deepinfer.patches import cpu_spec_expand, mtp_draft_lengths
 
         mtp_draft_lengths.apply()
+        if torch.device(vllm_config.device_config.device).type == "cpu":
+            cpu_spec_expand.apply()
         logger.info("vllm-deepinfer MTP drafter: block id %d, %d speculative tokens, %s draft length",
                     self.arch.num_layers, spec.num_speculative_tokens,
                     "confidence-scheduled" if self.draft_policy.varlen else "fixed")
