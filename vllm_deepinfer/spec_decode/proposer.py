@@ -28,8 +28,10 @@ LOG_EVERY = 200  # steps between draft-length log lines
 
 
 def varlen_enabled(environ: dict[str, str] | None = None) -> bool:
+    from vllm_deepinfer.serving.settings import OFF_VALUES
+
     value = (os.environ if environ is None else environ).get(VARLEN_ENV, "0")
-    return value.strip().lower() not in ("", "0", "false", "no", "off", "none", "disabled")
+    return value.strip().lower() not in OFF_VALUES
 
 
 class DraftLengthPolicy:
