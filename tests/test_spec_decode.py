@@ -73,20 +73,30 @@ def std(ckpt_root):
 
 def test_lossless_k1_mixed_batch(std):
     model_dir, mixed, _, ref, _ = std
-    with engine(model_dir, speculative_config=_mtp(1)) as llm:
+    with engine(model_dir, speculative_config=_mtp(1), disable_log_stats=False) as llm:
         assert _generate(llm, mixed) == ref
         assert _spec_counts(llm)["num_drafts"] > 0
 
 
 def test_lossless_k3_chunked_prefill_and_preemption(std):
-    """K=3 on a KV pool too small for six long decodes (preemption + recompute) with 128-token chunks."""
+    """K=3 on a KV pool too small for six long decodes (preemption + recompute) with 128-token chunks; then
+    varlen with a cost model that makes the random drafter's lengths differ between requests and steps."""
     model_dir, mixed, preempt, ref, ref_preempt = std
     with engine(model_dir, speculative_config=_mtp(K), num_gpu_blocks_override=PREEMPT_BLOCKS, max_num_seqs=6,
-                max_model_len=1024, max_num_batched_tokens=128, enable_chunked_prefill=True) as llm:
+                max_model_len=1024, max_num_batched_tokens=128, enable_chunked_prefill=True,
+                disable_log_stats=False) as llm:
         assert _generate(llm, mixed) == ref
         with recorded_preemptions(llm) as preempted:
             assert _generate(llm, preempt, PREEMPT_NEW) == ref_preempt
         assert _spec_counts(llm)["num_draft_tokens"] > 0
+        policy = _policy(llm)
+        # threshold s > B * b / (a + b n) ~ 1e-3 at B = 4: between this drafter's first-position
+        # probabilities (~1e-4 .. 1e-2) and far above its products at later positions
+        policy.varlen, policy.cost = True, VerifyCost(fixed=1.0, per_token=2.5e-4)
+        counts = list(policy.length_counts)
+        assert _generate(llm, mixed) == ref
+        chosen = [a - b for a, b in zip(policy.length_counts, counts)]
+        assert sum(1 for c in chosen if c) >= 2, f"one length for every request: {chosen}"
     assert preempted, "the KV pool was large enough: no request was preempted"
 
 
@@ -245,3 +255,39 @@ def test_choose_lengths_maximises_expected_rate():
             return (3 + sum(float(s[r, :k].sum()) for r, k in enumerate(ks))) / cost.step_time(3 + sum(ks))
         best = max(rate(ks) for ks in itertools.product(range(K + 1), repeat=3))
         assert math.isclose(rate(choose_lengths(s, 3, cost).tolist()), best, rel_tol=1e-9)
+
+
+# ----------------------------------------------------------------------------- vllm serve
+def test_serve_metrics_from_deepinfer_settings(ckpt_root, tmp_path):
+    """`vllm serve` with DEEPINFER_USE_NEXTN_DECODE=3 and DEEPINFER_ENABLE_MTP_VARLEN=1 (no --speculative-config):
+    speculation runs, and /metrics shows vLLM's acceptance counters per position and in total."""
+    import re
+
+    import httpx
+
+    from tests.conftest import Server, free_port
+
+    model = tiny_checkpoint(ckpt_root, "v4-flash", 0, drafter="reproduce")
+    srv = Server(model, free_port(), tmp_path / "server.log", ["--max-model-len", "1024", "--max-num-seqs", "4"],
+                 env={"DEEPINFER_USE_NEXTN_DECODE": "3", "DEEPINFER_ENABLE_MTP_VARLEN": "1"})
+    try:
+        srv.wait_ready()
+        r = httpx.post(srv.url + "/v1/completions", timeout=300, json={
+            "model": str(model), "prompt": list(range(100, 140)), "max_tokens": 32, "temperature": 0,
+            "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        metrics = httpx.get(srv.url + "/metrics", timeout=30).text
+    finally:
+        srv.stop()
+
+    def value(name: str, labels: str = "") -> float:
+        m = re.search(rf"^{re.escape(name)}\{{[^}}]*{labels}[^}}]*\}} ([0-9.e+]+)$", metrics, re.M)
+        assert m, f"{name} {labels} not on /metrics"
+        return float(m.group(1))
+
+    drafts, draft_tokens = value("vllm:spec_decode_num_drafts_total"), value("vllm:spec_decode_num_draft_tokens_total")
+    accepted = value("vllm:spec_decode_num_accepted_tokens_total")
+    per_pos = [value("vllm:spec_decode_num_accepted_tokens_per_pos_total", f'position="{i}"') for i in range(K)]
+    assert drafts > 0 and draft_tokens == K * drafts, (drafts, draft_tokens)   # varlen kept the maximum
+    assert accepted / draft_tokens > 0.95 and min(per_pos) > 0.95 * drafts, (accepted, per_pos)
+    assert "confidence-scheduled" in (tmp_path / "server.log").read_text()
