@@ -1,5 +1,5 @@
-"""Per-user decode speed with MTP speculation off / fixed / varlen (issue 11). UNTESTED ON A GPU: written and
-smoke-run on CPU only (`--device-smoke`); the H200 numbers are the lead's to take.
+"""Per-user decode speed with MTP speculation off / fixed / varlen (issue 11). UNTESTED: not run on a GPU, and on
+CPU only `--help` so far (`--device-smoke` is the CPU smoke mode); the H200 numbers are the lead's to take.
 
     python3 benchmarks/bench_spec_decode.py --model CKPT --out $OUT/spec [--k 5] [--batches 1,8,32] [--intree]
 
