@@ -21,12 +21,6 @@ def test_speculation_settings_map_to_speculative_config():
         "DEEPINFER_ENABLE_MTP_VARLEN: confidence-scheduled verification"]
     with pytest.raises(settings.DeepInferSettingError, match="positive number of draft tokens"):
         settings.check({"DEEPINFER_USE_NEXTN_DECODE": "many"}, platform_device="cpu")
-    argv = ["vllm", "serve", "/m", "--port", "8000"]
-    settings._map_speculation_into_serve_argv(argv, {"DEEPINFER_USE_NEXTN_DECODE": "4"})
-    assert argv[-2:] == ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 4}']
-    argv = ["vllm", "serve", "/m", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}']
-    settings._map_speculation_into_serve_argv(argv, {"DEEPINFER_USE_NEXTN_DECODE": "4"})
-    assert argv[-1].endswith("1}")  # an explicit config wins
 
 
 def test_accelerator_checked_against_platform():

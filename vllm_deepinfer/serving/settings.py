@@ -14,15 +14,14 @@ always accepted: it asks for what the plugin does anyway.
 | `DEEPINFER_EXPERT_STORAGE` | honoured: the routed experts are vLLM's fused-MoE layer; `packed` keeps their MXFP4 codes + E8M0 scales (a quarter of the expert memory): on CUDA vLLM's MXFP4 method (`Mxfp4MoEMethod`, Marlin W4A16 on SM90), off CUDA the plugin's torch experts on the stored bytes (`ops.routed_experts_packed`, for tests); `bf16` dequantises at load (CUDA: vLLM's unquantized method; off CUDA: `ops.routed_experts`); `auto` (default) = packed on CUDA, bf16 elsewhere (`vllm_deepinfer.moe.method.expert_storage`). Read at model construction. An unknown value stops start-up. |
 | `DEEPINFER_ENGRAM_DEVICE` | honoured: where the V4.1 Engram tables live. `host` keeps them in pinned host memory and gathers each step's rows into device staging buffers on a side stream at step start (UVA reads, overlapped with the layers before the Engram layer; CUDA-graph safe); `gpu` keeps them in device memory; `auto` (default) = `host` on CUDA, `gpu` elsewhere (`vllm_deepinfer.ops.parse_engram_device`). Read at model construction; the load logs the bytes on host and device. An unknown value stops start-up. |
 | `DEEPINFER_BATCH_INVARIANT` | honoured: `1` turns on batch-invariant mode (the vLLM-style option is `--additional-config '{"deepinfer_batch_invariant": true}'`, which wins over the variable): ops run their batch-invariant variants and the sampler draws seeded tokens with noise keyed by (seed, position) (`vllm_deepinfer/serving/seeded_sampling.py`). Read at model construction. vLLM's `VLLM_BATCH_INVARIANT=1` is not an equivalent (different kernels/sampler, crashes on CPU) and is never substituted. |
-| `DEEPINFER_ENABLE_MTP_VARLEN` | honoured: `1` = confidence-scheduled verification, each request's drafts trimmed to the length that maximises the expected tokens per step time (`vllm_deepinfer/spec_decode/schedule.py`); `0` (default) = every draft verified. Read by the MTP drafter at construction; needs speculation on (`--speculative-config`, or `DEEPINFER_USE_NEXTN_DECODE`; with `vllm serve` and neither given, `1` turns on DeepInfer's default of 5 draft tokens). |
-| `DEEPINFER_USE_NEXTN_DECODE` | mapped: `N` >= 1 = `--speculative-config '{"method": "mtp", "num_speculative_tokens": N}'` for `vllm serve` (V4; inserted when the command line has no `--speculative-config`, which otherwise wins with a warning). Offline `LLM()` takes `speculative_config` itself (`speculative_config_from_env()` builds it). |
+| `DEEPINFER_ENABLE_MTP_VARLEN` | honoured: `1` = confidence-scheduled verification, each request's drafts trimmed to the length that maximises the expected tokens per step time (`vllm_deepinfer/spec_decode/schedule.py`); `0` (default) = every draft verified. Read by the MTP drafter at construction; needs speculation on (`--speculative-config`, or `DEEPINFER_USE_NEXTN_DECODE`; with neither, `1` turns on DeepInfer's default of 5 draft tokens). |
+| `DEEPINFER_USE_NEXTN_DECODE` | mapped: `N` >= 1 = `--speculative-config '{"method": "mtp", "num_speculative_tokens": N}'` (V4 MTP drafter) for `vllm serve` and `LLM()` when no speculative config is given (a given one wins, with a warning; `patches/speculative_settings.py`). |
 | `DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE` | mapped: `compact` turns V4.1 decoder bounded replay on, `none` off (`vllm_deepinfer/models/replay.py`); unset, vLLM's `--swa-bounded-replay` / `--no-swa-bounded-replay` decides (vLLM's default: on). V4 has nothing to replay (ignored with a warning). |
 | `DEEPINFER_YOCO_PREFILL_KEEP_TOKENS` | honoured: trailing prompt tokens per request that run the layers past the cut. Unset or `exact` = n(W-1)+1, which is exact; a smaller value (DeepInfer's default 140, vLLM in-tree's 128) is approximate; below the sliding window the model refuses to start. |
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from dataclasses import dataclass
@@ -197,19 +196,6 @@ def speculative_config_from_env(environ: dict[str, str] | None = None) -> dict |
     return {"method": "mtp", "num_speculative_tokens": n} if n else None
 
 
-def _map_speculation_into_serve_argv(argv: list[str], environ: dict[str, str] | None = None) -> None:
-    """`vllm serve` without --speculative-config: the one the DeepInfer settings ask for."""
-    spec = speculative_config_from_env(environ)
-    if spec is None or len(argv) < 2 or argv[1] != "serve":
-        return
-    if any(a == "--speculative-config" or a.startswith("--speculative-config=") for a in argv[2:]):
-        logger.warning("vllm-deepinfer: --speculative-config given; DEEPINFER_USE_NEXTN_DECODE / "
-                       "DEEPINFER_ENABLE_MTP_VARLEN do not change it")
-        return
-    argv += ["--speculative-config", json.dumps(spec)]
-    logger.info("vllm-deepinfer: speculative decoding from the DeepInfer settings: %s", spec)
-
-
 def _platform_device() -> str | None:
     try:
         from vllm.platforms import current_platform
@@ -251,4 +237,3 @@ def apply() -> None:
     for note in check():
         logger.info("vllm-deepinfer setting %s", note)
     _map_model_into_serve_argv(sys.argv)
-    _map_speculation_into_serve_argv(sys.argv)
