@@ -33,21 +33,23 @@ def ckpt_root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("checkpoints")
 
 
-def tiny_checkpoint(root: Path, arch: str, seed: int = 0, layers: int | None = None, **config_overrides) -> Path:
+def tiny_checkpoint(root: Path, arch: str, seed: int = 0, layers: int | None = None, drafter: str | None = None,
+                    **config_overrides) -> Path:
     """A tiny checkpoint of `arch` ("v4-flash" / "v4.1-flash"), generated once per session.
 
-    `layers` keeps the tiny layer pattern at another depth (`make_checkpoint`'s `layers`);
+    `layers` keeps the tiny layer pattern at another depth (`make_checkpoint`'s `layers`); `drafter`
+    ("reproduce" / "noise") rewrites the speculative drafter (`make_checkpoint`'s `drafter`);
     `config_overrides` edit config.json (the text config for V4.1) of a copy of the base checkpoint.
     """
     from vllm_deepinfer.tools.make_checkpoint import make_checkpoint
 
-    key = (arch, seed, layers, tuple(sorted(config_overrides.items())))
+    key = (arch, seed, layers, drafter, tuple(sorted(config_overrides.items())))
     if key in _CACHE:
         return _CACHE[key]
-    base_key = (arch, seed, layers, ())
-    name = f"{arch}-s{seed}" + (f"-l{layers}" if layers is not None else "")
+    base_key = (arch, seed, layers, drafter, ())
+    name = f"{arch}-s{seed}" + (f"-l{layers}" if layers is not None else "") + (f"-{drafter}" if drafter else "")
     if base_key not in _CACHE:
-        _CACHE[base_key] = Path(make_checkpoint(arch, "tiny", root / name, layers=layers, seed=seed))
+        _CACHE[base_key] = Path(make_checkpoint(arch, "tiny", root / name, layers=layers, seed=seed, drafter=drafter))
     if not config_overrides:
         return _CACHE[base_key]
     out = root / (f"{name}-" + "-".join(f"{k}{v}" for k, v in sorted(config_overrides.items())))

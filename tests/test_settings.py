@@ -7,12 +7,20 @@ import pytest
 from vllm_deepinfer.serving import settings
 
 
-@pytest.mark.parametrize("name", ["DEEPINFER_ENABLE_MTP_VARLEN", "DEEPINFER_USE_NEXTN_DECODE"])
-def test_unsupported_rejected_with_reason_off_accepted(name):
-    with pytest.raises(settings.DeepInferSettingError, match=f"{name}.*not (supported|implemented)"):
-        settings.check({name: "1"}, platform_device="cpu")
+def test_speculation_settings_map_to_speculative_config():
+    mtp = lambda n: {"method": "mtp", "num_speculative_tokens": n}  # noqa: E731
+    assert settings.speculative_config_from_env({"DEEPINFER_USE_NEXTN_DECODE": "3"}) == mtp(3)
+    assert settings.speculative_config_from_env({"DEEPINFER_ENABLE_MTP_VARLEN": "1"}) == mtp(5)
+    assert settings.speculative_config_from_env({"DEEPINFER_ENABLE_MTP_VARLEN": "1",
+                                                 "DEEPINFER_USE_NEXTN_DECODE": "2"}) == mtp(2)
     for off in ("0", "false", "off", "none"):
-        settings.check({name: off}, platform_device="cpu")
+        assert settings.speculative_config_from_env({"DEEPINFER_USE_NEXTN_DECODE": off}) is None
+        assert settings.speculative_config_from_env({"DEEPINFER_ENABLE_MTP_VARLEN": off}) is None
+        settings.check({"DEEPINFER_USE_NEXTN_DECODE": off, "DEEPINFER_ENABLE_MTP_VARLEN": off}, platform_device="cpu")
+    assert settings.check({"DEEPINFER_ENABLE_MTP_VARLEN": "1"}, platform_device="cpu") == [
+        "DEEPINFER_ENABLE_MTP_VARLEN: confidence-scheduled verification"]
+    with pytest.raises(settings.DeepInferSettingError, match="positive number of draft tokens"):
+        settings.check({"DEEPINFER_USE_NEXTN_DECODE": "many"}, platform_device="cpu")
 
 
 def test_accelerator_checked_against_platform():

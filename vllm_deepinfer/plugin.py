@@ -7,7 +7,7 @@ inspection subprocess, the engine core and every worker, each a fresh spawned in
 from __future__ import annotations
 
 from vllm_deepinfer.log import get_logger
-from vllm_deepinfer.registry import MODELS, plugin_disabled
+from vllm_deepinfer.registry import DRAFT_MODELS, MODELS, plugin_disabled
 
 logger = get_logger(__name__)
 _registered = False
@@ -28,7 +28,7 @@ def register() -> None:
     patches.apply_all()
     import vllm_deepinfer.models.quant_config  # noqa: F401  (registers deepinfer_fp8)
 
-    for arch, target in MODELS.items():
+    for arch, target in {**MODELS, **DRAFT_MODELS}.items():
         ModelRegistry.register_model(arch, target)
 
     from vllm_deepinfer import serving

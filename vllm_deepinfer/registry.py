@@ -10,6 +10,11 @@ MODELS = {
     "DeepseekV41ForCausalLM": "vllm_deepinfer.models.deepseek:DeepseekV41ForCausalLM",
 }
 MODEL_TYPES = ("deepseek_v4", "deepseek_v41")
+#: Draft architectures that vLLM's speculative config rewrites our targets' configs to (model_type
+#: "deepseek_mtp"): `method="mtp"` on a deepseek_v4 target -> DeepSeekV4MTPModel.
+DRAFT_MODELS = {
+    "DeepSeekV4MTPModel": "vllm_deepinfer.spec_decode.mtp:DeepseekV4MTP",
+}
 
 
 def plugin_disabled() -> bool:

@@ -161,6 +161,14 @@ class DeepseekModel(nn.Module):
         self.replay_counts = {"prefill_tokens": 0, "past_cut_tokens": 0}
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.hc_head = HyperHead(arch) if arch.family == V4 else None
+        # V4 MTP speculation: each step's pre-collapse streams [max_num_batched_tokens, h*D] for the drafter
+        # (`DeepseekV4ForCausalLM.enable_mtp_states`); None without it.
+        self.mtp_states: torch.Tensor | None = None
+
+    @property
+    def embed_tokens(self) -> VocabParallelEmbedding:
+        """The embedding under the name vLLM's draft proposer looks up (`_maybe_share_embeddings`)."""
+        return self.embed
 
     def _wire_shared_caches(self) -> None:
         """V4.1 KV and index-key sharing: consumers read their sources' caches."""
@@ -204,6 +212,8 @@ class DeepseekModel(nn.Module):
                 batch, rows = retained.batch, retained.rows
                 if not rows.numel():  # an early prefill chunk: only the cut's state writes were needed
                     return e.new_zeros(e.shape)
+        if self.mtp_states is not None:
+            self.mtp_states[: streams.shape[0]].copy_(streams.flatten(1))
         weights = self.hc_head(streams) if self.hc_head is not None else carry
         hidden = self.norm(ops.hc_collapse(streams, weights))
         if rows is not None:
@@ -277,6 +287,20 @@ class DeepseekForCausalLM(nn.Module, DeepseekMixtureOfExperts):
 
 class DeepseekV4ForCausalLM(DeepseekForCausalLM):
     family = V4
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        spec = vllm_config.speculative_config
+        if spec is not None and spec.method == "mtp":
+            arch = self.arch
+            self.model.mtp_states = torch.zeros(vllm_config.scheduler_config.max_num_batched_tokens,
+                                                arch.hc_mult * arch.hidden_size, dtype=vllm_config.model_config.dtype)
+
+    def get_mtp_target_hidden_states(self) -> torch.Tensor | None:
+        """The last step's pre-collapse streams [max_num_batched_tokens, h*D] (rows of the step's tokens
+        valid), which vLLM's runner feeds the MTP drafter instead of the final hidden states; None
+        without MTP speculation."""
+        return self.model.mtp_states
 
 
 class DeepseekV41ForCausalLM(DeepseekForCausalLM):

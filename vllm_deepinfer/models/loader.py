@@ -8,14 +8,14 @@ stored, and packed routed experts, which keep the MXFP4 bytes. Routed experts lo
 fused-MoE weight loader (each rank keeps its experts under EP and its slice under TP); under tensor
 parallelism each rank writes its shard of every other split tensor too (the parameters' vLLM weight
 loaders narrow the whole tensor, FP8 scale blocks included).
-MTP/DSpark (`mtp.*`) tensors belong to the drafter and the vision tower to the VL wrapper,
-so the text model skips them with one log line.
+MTP/DSpark (`mtp.*`) tensors belong to the drafter (`load_draft`, the same writer) and the vision
+tower to the VL wrapper, so the text model skips them with one log line.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -34,7 +34,7 @@ logger = get_logger(__name__)
 
 DRAFT_PREFIX = "mtp."
 VISION_PREFIXES = ("vision.", "aligner.", "image_")
-_EXPERT = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")  # parameter names
 _HC = re.compile(r"^(.*?)hc_(attn|ffn|head)_(fn|base|scale)$")
 
 
@@ -77,20 +77,39 @@ def load_checkpoint(model: nn.Module, arch: ArchConfig, weights: Iterable[tuple[
     if skipped["draft"]:
         logger.info("DeepInfer: %d draft (mtp.*) tensors are left to the speculative drafter", skipped["draft"])
 
+    return _write(model, tensors, arch.weight_block_size, target_name)
+
+
+def load_draft(model: nn.Module, arch: ArchConfig, weights: Iterable[tuple[str, torch.Tensor]],
+               param_name: Callable[[str], str]) -> set[str]:
+    """Validate the whole checkpoint and load its `mtp.0.*` tensors into the drafter `model`
+    (`param_name`: checkpoint name -> parameter name, e.g. `spec_decode.mtp.draft_param_name`)."""
+    found: dict[str, tuple[str, tuple[int, ...]]] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in weights:
+        found[name] = (TORCH_TO_DTYPE.get(t.dtype, str(t.dtype)), tuple(t.shape))
+        if name.startswith(f"{DRAFT_PREFIX}0."):
+            tensors[name] = t
+    _validate(arch, found, tensors)
+    return _write(model, tensors, arch.weight_block_size, param_name)
+
+
+def _write(model: nn.Module, tensors: dict[str, torch.Tensor], block: int, param_name: Callable[[str], str]) -> set[str]:
+    """Write checkpoint `tensors` into `model` (`param_name` maps a non-expert checkpoint name to its
+    parameter); every parameter must be written. Returns the parameter names written."""
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     loaded: set[str] = set()
-    block = arch.weight_block_size
     for name in tensors:
         if ".engram.embed." in name:  # the table stays FP8 (decoded per looked-up row)
-            buffers[target_name(name)].copy_(tensors[name])
+            buffers[param_name(name)].copy_(tensors[name])
             continue
         if name.endswith(".scale") and name[: -len("scale")] + "weight" in tensors:
             continue  # consumed with its weight
-        if m := _EXPERT.match(name):
+        dst = param_name(name)
+        if m := _EXPERT.match(dst):
             loaded.update(_load_expert(model, m.group(1), int(m.group(2)), m.group(3), name, tensors, block))
             continue
-        dst = target_name(name)
         if dst in params and params[dst].dtype == torch.float8_e4m3fn:  # packed FP8 linear: codes + E8M0 bytes
             scale_name, scale_dst = name[: -len("weight")] + "scale", dst[: -len("weight")] + "scale"
             _load(params[dst], tensors[name], name, dst)
@@ -121,12 +140,12 @@ def physical_slots(num_logical: int, num_physical: int, expert: int) -> list[int
 
 def _load_expert(model: nn.Module, prefix: str, expert: int, which: str, name: str,
                  tensors: dict[str, torch.Tensor], block: int) -> list[str]:
-    """Checkpoint tensor `name` (w1/w2/w3 of logical expert `expert` of `prefix` = layers.L.ffn.experts) into
+    """Checkpoint tensor `name` (w1/w2/w3 of logical expert `expert` of `prefix` = model.layers.L.ffn.experts) into
     each of its physical slots local to this rank (EP keeps local slots, redundant replicas included)
     through the fused-MoE layer's weight loader, which also takes this rank's TP slice. Packed params
     (uint8: vLLM's MXFP4 method or the plugin's packed torch method) take the codes and E8M0 bytes as
     stored, others the dequantised value. Returns the parameter names written (none off this rank)."""
-    owner = f"model.{prefix}.routed_experts"
+    owner = f"{prefix}.routed_experts"
     experts = model.get_submodule(owner)
     slots = [s for s in physical_slots(experts.moe_config.num_logical_experts, experts.global_num_experts, expert)
              if experts._map_global_expert_id_to_local_expert_id(s) != -1]
@@ -170,4 +189,4 @@ def _validate(arch: ArchConfig, found: dict[str, tuple[str, tuple[int, ...]]],
             check_no_nan_codes(t, name)
 
 
-__all__ = ["InventoryError", "load_checkpoint", "target_name"]
+__all__ = ["InventoryError", "load_checkpoint", "load_draft", "target_name"]

@@ -14,8 +14,8 @@ always accepted: it asks for what the plugin does anyway.
 | `DEEPINFER_EXPERT_STORAGE` | honoured: the routed experts are vLLM's fused-MoE layer; `packed` keeps their MXFP4 codes + E8M0 scales (a quarter of the expert memory): on CUDA vLLM's MXFP4 method (`Mxfp4MoEMethod`, Marlin W4A16 on SM90), off CUDA the plugin's torch experts on the stored bytes (`ops.routed_experts_packed`, for tests); `bf16` dequantises at load (CUDA: vLLM's unquantized method; off CUDA: `ops.routed_experts`); `auto` (default) = packed on CUDA, bf16 elsewhere (`vllm_deepinfer.moe.method.expert_storage`). Read at model construction. An unknown value stops start-up. |
 | `DEEPINFER_ENGRAM_DEVICE` | honoured: where the V4.1 Engram tables live. `host` keeps them in pinned host memory and gathers each step's rows into device staging buffers on a side stream at step start (UVA reads, overlapped with the layers before the Engram layer; CUDA-graph safe); `gpu` keeps them in device memory; `auto` (default) = `host` on CUDA, `gpu` elsewhere (`vllm_deepinfer.ops.parse_engram_device`). Read at model construction; the load logs the bytes on host and device. An unknown value stops start-up. |
 | `DEEPINFER_BATCH_INVARIANT` | honoured: `1` turns on batch-invariant mode (the vLLM-style option is `--additional-config '{"deepinfer_batch_invariant": true}'`, which wins over the variable): ops run their batch-invariant variants and the sampler draws seeded tokens with noise keyed by (seed, position) (`vllm_deepinfer/serving/seeded_sampling.py`). Read at model construction. vLLM's `VLLM_BATCH_INVARIANT=1` is not an equivalent (different kernels/sampler, crashes on CPU) and is never substituted. |
-| `DEEPINFER_ENABLE_MTP_VARLEN` | rejected when on: DSpark/MTP variable-length drafting is not in the plugin yet (vLLM equivalent will be `--speculative-config`). |
-| `DEEPINFER_USE_NEXTN_DECODE` | rejected when on: NextN (MTP) decode is speculative decoding, not in the plugin yet (`--speculative-config`). |
+| `DEEPINFER_ENABLE_MTP_VARLEN` | honoured: `1` = confidence-scheduled verification, each request's drafts trimmed to the length that maximises the expected tokens per step time (`vllm_deepinfer/spec_decode/schedule.py`); `0` (default) = every draft verified. Read by the MTP drafter at construction; needs speculation on (`--speculative-config`, or `DEEPINFER_USE_NEXTN_DECODE`; with neither, `1` turns on DeepInfer's default of 5 draft tokens). |
+| `DEEPINFER_USE_NEXTN_DECODE` | mapped: `N` >= 1 = `--speculative-config '{"method": "mtp", "num_speculative_tokens": N}'` (V4 MTP drafter) for `vllm serve` and `LLM()` when no speculative config is given (a given one wins, with a warning; `patches/speculative_settings.py`). |
 | `DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE` | mapped: `compact` turns V4.1 decoder bounded replay on, `none` off (`vllm_deepinfer/models/replay.py`); unset, vLLM's `--swa-bounded-replay` / `--no-swa-bounded-replay` decides (vLLM's default: on). V4 has nothing to replay (ignored with a warning). |
 | `DEEPINFER_YOCO_PREFILL_KEEP_TOKENS` | honoured: trailing prompt tokens per request that run the layers past the cut. Unset or `exact` = n(W-1)+1, which is exact; a smaller value (DeepInfer's default 140, vLLM in-tree's 128) is approximate; below the sliding window the model refuses to start. |
 """
@@ -46,7 +46,7 @@ class DeepInferSettingError(RuntimeError):
 @dataclass(frozen=True)
 class Setting:
     name: str
-    action: str  # "mapped" | "check" | "honoured" | "reject"
+    action: str  # "mapped" | "check" | "honoured"
     vllm_equivalent: str
     reason: str
 
@@ -72,10 +72,12 @@ SETTINGS: dict[str, Setting] = {
         Setting("DEEPINFER_BATCH_INVARIANT", "honoured",
                 "--additional-config '{\"deepinfer_batch_invariant\": true}' (VLLM_BATCH_INVARIANT is not equivalent)",
                 "batch-invariant ops and seeded sampling keyed by (seed, position)"),
-        Setting("DEEPINFER_ENABLE_MTP_VARLEN", "reject", "--speculative-config (future)",
-                "DSpark/MTP variable-length speculative decoding is not implemented in vllm-deepinfer yet"),
-        Setting("DEEPINFER_USE_NEXTN_DECODE", "reject", "--speculative-config (future)",
-                "NextN/MTP speculative decoding is not implemented in vllm-deepinfer yet"),
+        Setting("DEEPINFER_ENABLE_MTP_VARLEN", "honoured", "none (vLLM's adaptive verification is V2 + dspark only)",
+                "per-request draft lengths from the drafter's prefix-survival estimates and a verification cost "
+                "model (1), or every draft verified (0)"),
+        Setting("DEEPINFER_USE_NEXTN_DECODE", "mapped",
+                "--speculative-config '{\"method\": \"mtp\", \"num_speculative_tokens\": N}'",
+                "MTP speculative decoding with N draft tokens per step (DeepInfer's default 5)"),
         Setting("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "mapped", "--swa-bounded-replay / --no-swa-bounded-replay",
                 "V4.1 decoder bounded replay: compact = on, none = off; unset, vLLM's swa_bounded_replay decides"),
         Setting("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", "honoured", "none (vLLM in-tree keeps the 128-token window)",
@@ -98,12 +100,7 @@ def check(environ: dict[str, str] | None = None, platform_device: str | None = N
         if name not in env:
             continue
         value = env[name]
-        if s.action == "reject":
-            if _is_off(value):
-                notes.append(f"{name}={value!r}: off, nothing to do")
-            else:
-                errors.append(f"{name}={value!r} is not supported: {s.reason}. Unset it (or set it to 0).")
-        elif name == "DEEPINFER_HF_MODEL_DIR":
+        if name == "DEEPINFER_HF_MODEL_DIR":
             if _is_off(value):
                 continue
             if not os.path.isfile(os.path.join(value, "config.json")):
@@ -145,6 +142,17 @@ def check(environ: dict[str, str] | None = None, platform_device: str | None = N
                 notes.append(f"{name}: {parse_engram_device(value, device or 'cpu')}")
             except ValueError as e:
                 errors.append(str(e))
+        elif name in ("DEEPINFER_USE_NEXTN_DECODE", "DEEPINFER_ENABLE_MTP_VARLEN"):
+            try:
+                spec = speculative_config_from_env(env)
+            except ValueError as e:
+                errors.append(str(e))
+            else:
+                if name == "DEEPINFER_ENABLE_MTP_VARLEN":
+                    notes.append(f"{name}: " + ("off (fixed draft length)" if _is_off(value) else
+                                                "confidence-scheduled verification"))
+                else:
+                    notes.append(f"{name}: " + (f"speculative config {spec}" if spec else "off"))
         elif name == "DEEPINFER_BATCH_INVARIANT":
             notes.append(f"{name}: " + ("off" if _is_off(value) else "batch-invariant mode"))
         elif name == "DEEPINFER_ACCELERATOR":
@@ -165,6 +173,27 @@ def check(environ: dict[str, str] | None = None, platform_device: str | None = N
     if errors:
         raise DeepInferSettingError("vllm-deepinfer: " + "; ".join(errors))
     return notes
+
+
+DEFAULT_NEXTN = 5  # DeepInfer's default number of draft tokens
+
+
+def speculative_config_from_env(environ: dict[str, str] | None = None) -> dict | None:
+    """vLLM's speculative config that the DeepInfer settings ask for, None for none:
+    DEEPINFER_USE_NEXTN_DECODE=N -> MTP with N draft tokens; DEEPINFER_ENABLE_MTP_VARLEN=1 alone -> N = 5."""
+    env = os.environ if environ is None else environ
+    nextn = env.get("DEEPINFER_USE_NEXTN_DECODE", "")
+    varlen = not _is_off(env.get("DEEPINFER_ENABLE_MTP_VARLEN", ""))
+    if _is_off(nextn):
+        n = DEFAULT_NEXTN if varlen and not nextn.strip() else 0
+    else:
+        try:
+            n = int(nextn)
+        except ValueError:
+            n = -1
+        if n < 1:
+            raise ValueError(f"DEEPINFER_USE_NEXTN_DECODE={nextn!r} must be a positive number of draft tokens (or 0)")
+    return {"method": "mtp", "num_speculative_tokens": n} if n else None
 
 
 def _platform_device() -> str | None:

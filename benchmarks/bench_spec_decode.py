@@ -1,0 +1,120 @@
+"""Per-user decode speed with MTP speculation off / fixed / varlen (issue 11). UNTESTED: not run on a GPU, and on
+CPU only `--help` so far (`--device-smoke` is the CPU smoke mode); the H200 numbers are the lead's to take.
+
+    python3 benchmarks/bench_spec_decode.py --model CKPT --out $OUT/spec [--k 5] [--batches 1,8,32] [--intree]
+
+CKPT: a V4-Flash checkpoint, e.g. the drafters of known quality
+`python -m vllm_deepinfer.tools.make_checkpoint --arch v4-flash --preset tiny-gpu --drafter reproduce --out DIR`
+(`--drafter noise` for the other end). Each mode runs in its own subprocess (one engine each):
+off (no speculative config), fixed (`{"method": "mtp", "num_speculative_tokens": K}`), varlen (the same with
+DEEPINFER_ENABLE_MTP_VARLEN=1); `--intree` adds vLLM's in-tree V4 MTP (DEEPINFER_DISABLE=1, fixed K).
+For each batch size B: B random prompts of --prompt-len tokens, greedy, --new-tokens each (ignore_eos), as one
+`generate` after a warm-up call; per-user tok/s = new tokens / wall time; plus vLLM's spec-decode counters
+(acceptance rate, mean accepted length, per-position acceptance) over the timed call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def run_mode(args: argparse.Namespace) -> dict:
+    """One engine (this process): per batch size, per-user tok/s and spec-decode counters."""
+    import random
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kw = dict(model=args.model, dtype=args.dtype, max_model_len=args.prompt_len + args.new_tokens + 64,
+              max_num_seqs=max(args.batches), gpu_memory_utilization=args.gpu_util, seed=0, disable_log_stats=False,
+              enforce_eager=args.device_smoke)
+    if args.mode != "off":
+        kw["speculative_config"] = {"method": "mtp", "num_speculative_tokens": args.k}
+    llm = LLM(**kw)
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
+
+    def counters() -> dict:
+        out = {}
+        for m in llm.get_metrics():
+            if m.name.startswith("vllm:spec_decode_"):
+                out[m.name.removeprefix("vllm:spec_decode_")] = list(m.values) if hasattr(m, "values") else m.value
+        return out
+
+    results = []
+    for b in args.batches:
+        prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(10, 8000) for _ in range(args.prompt_len)])
+                   for _ in range(b)]
+        llm.generate(prompts, params, use_tqdm=False)  # warm-up
+        before = counters()
+        t = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - t
+        after = counters()
+        d = {k: ([x - y for x, y in zip(v, before.get(k, [0] * len(v)))] if isinstance(v, list) else v - before.get(k, 0))
+             for k, v in after.items()}
+        row = {"batch": b, "wall_s": wall, "per_user_tok_s": args.new_tokens / wall}
+        if d.get("num_draft_tokens"):
+            row.update(acceptance=d["num_accepted_tokens"] / d["num_draft_tokens"],
+                       mean_accepted=d["num_accepted_tokens"] / d["num_drafts"],
+                       per_position=[x / d["num_drafts"] for x in d["num_accepted_tokens_per_pos"]],
+                       mean_verified=d["num_draft_tokens"] / d["num_drafts"])
+        results.append(row)
+        print(json.dumps({"mode": args.mode, **row}), flush=True)
+    return {"mode": args.mode, "k": args.k, "model": args.model, "results": results}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--k", type=int, default=5, help="num_speculative_tokens (DeepInfer default 5)")
+    p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--gpu-util", type=float, default=0.85)
+    p.add_argument("--intree", action="store_true", help="also vLLM's in-tree V4 MTP (DEEPINFER_DISABLE=1)")
+    p.add_argument("--device-smoke", action="store_true", help="CPU smoke run: eager, fp32, small sizes")
+    p.add_argument("--mode", choices=["off", "fixed", "varlen", "intree"], help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.device_smoke:
+        args.dtype, args.gpu_util = "float32", 0.2
+    if args.mode:  # child
+        print("RESULT " + json.dumps(run_mode(args)), flush=True)
+        return
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    modes = ["off", "fixed", "varlen"] + (["intree"] if args.intree else [])
+    summary = []
+    for mode in modes:
+        env = dict(os.environ, DEEPINFER_ENABLE_MTP_VARLEN="1" if mode == "varlen" else "0")
+        if mode == "intree":
+            env["DEEPINFER_DISABLE"] = "1"
+        argv = [sys.executable, __file__, *sys.argv[1:], "--mode", mode]
+        log = out / f"{mode}.log"
+        with open(log, "w") as f:
+            proc = subprocess.run(argv, env=env, stdout=subprocess.PIPE, stderr=f, text=True)
+        lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+        if proc.returncode or not lines:
+            print(f"{mode}: failed (rc {proc.returncode}), see {log}", file=sys.stderr)
+            continue
+        summary.append(json.loads(lines[-1][len("RESULT "):]))
+    (out / "spec_decode.json").write_text(json.dumps(summary, indent=2) + "\n")
+    base = {r["batch"]: r["per_user_tok_s"] for s in summary if s["mode"] == "off" for r in s["results"]}
+    print(f"{'mode':8} {'batch':>5} {'tok/s/user':>11} {'vs off':>7} {'accept':>7} {'verified':>8}")
+    for s in summary:
+        for r in s["results"]:
+            ratio = r["per_user_tok_s"] / base[r["batch"]] if r["batch"] in base else float("nan")
+            print(f"{s['mode']:8} {r['batch']:>5} {r['per_user_tok_s']:>11.1f} {ratio:>7.2f} "
+                  f"{r.get('acceptance', float('nan')):>7.2f} {r.get('mean_verified', float('nan')):>8.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,293 @@
+"""V4 MTP speculative decoding on vLLM's V1 runner (CPU), issue 11 part A.
+
+Real engines on tiny V4 checkpoints (fp32): greedy outputs with speculation (K=1, K=3; chunked prefill;
+preemption) equal speculation off; a drafter that reproduces the target (`make_checkpoint --drafter
+reproduce`) is accepted ~always and confidence-scheduled verification then verifies the maximum length,
+a noise drafter is accepted ~never and verification drops to the minimum (vLLM's own spec-decode
+metrics); seeded sampling with speculation follows the distribution without it (chi-square tests).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.conftest import engine, recorded_preemptions, tiny_checkpoint
+from tests.fidelity import prompt_ids
+from vllm_deepinfer.spec_decode.schedule import VerifyCost, choose_lengths, draft_survival
+
+LENGTHS = (5, 37, 130, 301)
+N_NEW = 24
+PREEMPT_BLOCKS, PREEMPT_NEW = 80, 160   # as tests/test_scheduling.py: six decodes of ~60-100-token prompts do not fit
+K = 3
+
+
+def _mtp(k: int) -> dict:
+    return {"method": "mtp", "num_speculative_tokens": k}
+
+
+def _generate(llm, prompts: list[list[int]], n_new: int = N_NEW, params=None) -> list[list[int]]:
+    """Greedy tokens of `prompts` (or sampled with `params`, one SamplingParams per prompt)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = params or SamplingParams(temperature=0.0, max_tokens=n_new, ignore_eos=True)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _spec_counts(llm) -> dict[str, float | list[float]]:
+    """vLLM's spec-decode counters of `llm` (cumulative): drafts, draft tokens, accepted, accepted per position."""
+    out = {}
+    for m in llm.get_metrics():
+        if m.name.startswith("vllm:spec_decode_"):
+            out[m.name.removeprefix("vllm:spec_decode_")] = list(m.values) if hasattr(m, "values") else m.value
+    return out
+
+
+def _delta(after: dict, before: dict) -> dict:
+    d = {}
+    for k, v in after.items():
+        b = before.get(k, [0] * len(v) if isinstance(v, list) else 0)
+        d[k] = [x - y for x, y in zip(v, b)] if isinstance(v, list) else v - b
+    return d
+
+
+def _policy(llm):
+    """The MTP drafter's draft-length policy inside the in-process engine."""
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    return runner.drafter.model.draft_policy
+
+
+@pytest.fixture(scope="module")
+def std(ckpt_root):
+    """(model dir, mixed prompts, preemption prompts, greedy tokens without speculation for both)."""
+    model_dir = tiny_checkpoint(ckpt_root, "v4-flash", 0, index_topk=16)
+    mixed = [prompt_ids(model_dir, n, i) for i, n in enumerate(LENGTHS)]
+    preempt = [prompt_ids(model_dir, 60 + 7 * i, i) for i in range(6)]
+    with engine(model_dir) as llm:
+        return model_dir, mixed, preempt, _generate(llm, mixed), _generate(llm, preempt, PREEMPT_NEW)
+
+
+def test_lossless_k1_mixed_batch(std):
+    model_dir, mixed, _, ref, _ = std
+    with engine(model_dir, speculative_config=_mtp(1), disable_log_stats=False) as llm:
+        assert _generate(llm, mixed) == ref
+        assert _spec_counts(llm)["num_drafts"] > 0
+
+
+def test_lossless_k3_chunked_prefill_and_preemption(std):
+    """K=3 on a KV pool too small for six long decodes (preemption + recompute) with 128-token chunks; then
+    varlen with a cost model under which the random drafter's drafts are trimmed to a partial length."""
+    model_dir, mixed, preempt, ref, ref_preempt = std
+    with engine(model_dir, speculative_config=_mtp(K), num_gpu_blocks_override=PREEMPT_BLOCKS, max_num_seqs=6,
+                max_model_len=1024, max_num_batched_tokens=128, enable_chunked_prefill=True,
+                disable_log_stats=False) as llm:
+        assert _generate(llm, mixed) == ref
+        with recorded_preemptions(llm) as preempted:
+            assert _generate(llm, preempt, PREEMPT_NEW) == ref_preempt
+        assert _spec_counts(llm)["num_draft_tokens"] > 0
+        policy = _policy(llm)
+        # threshold s > E * b / (a + b n) ~ 1e-3 at B = 4: below this drafter's first-position probabilities,
+        # above its products at later positions (measured: length 1 of 3 for every request and step)
+        policy.varlen, policy.cost = True, VerifyCost(fixed=1.0, per_token=2.5e-4)
+        counts = list(policy.length_counts)
+        assert _generate(llm, mixed) == ref
+        chosen = [a - b for a, b in zip(policy.length_counts, counts)]
+        assert sum(chosen) > 0 and chosen[0] + chosen[K] < sum(chosen), f"no partial length chosen: {chosen}"
+    assert preempted, "the KV pool was large enough: no request was preempted"
+
+
+@pytest.fixture(scope="module")
+def reproduce(ckpt_root):
+    """(model dir, mixed prompts, greedy tokens and seeded samples without speculation)."""
+    model_dir = tiny_checkpoint(ckpt_root, "v4-flash", 0, drafter="reproduce")
+    mixed = [prompt_ids(model_dir, n, i) for i, n in enumerate(LENGTHS)]
+    with engine(model_dir, max_num_seqs=64) as llm:
+        return model_dir, mixed, _generate(llm, mixed), _samples(llm)
+
+
+@pytest.fixture(scope="module")
+def reproduce_llm(reproduce):
+    """K=3 speculation with confidence-scheduled verification (DEEPINFER_ENABLE_MTP_VARLEN=1 at start-up)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
+        with engine(reproduce[0], speculative_config=_mtp(K), disable_log_stats=False, max_num_seqs=64) as llm:
+            yield llm
+
+
+def test_reproducing_drafter_accepted_and_max_length(reproduce, reproduce_llm):
+    _, mixed, ref, _ = reproduce
+    llm = reproduce_llm
+    policy = _policy(llm)
+    assert policy.varlen
+    before = _spec_counts(llm)
+    assert _generate(llm, mixed) == ref
+    stats = _delta(_spec_counts(llm), before)
+    assert stats["num_accepted_tokens"] / stats["num_draft_tokens"] > 0.95, stats
+    assert stats["num_accepted_tokens"] / stats["num_drafts"] > 0.95 * K, stats   # mean accepted length
+    assert min(stats["num_accepted_tokens_per_pos"]) > 0.95 * stats["num_drafts"], stats
+    assert sum(policy.length_counts) > 0 and policy.length_counts[K] == sum(policy.length_counts), policy.length_counts
+
+
+@pytest.fixture(scope="module")
+def noise_llm(ckpt_root):
+    model_dir = tiny_checkpoint(ckpt_root, "v4-flash", 0, drafter="noise")
+    mixed = [prompt_ids(model_dir, n, i) for i, n in enumerate(LENGTHS)]
+    with engine(model_dir, speculative_config=_mtp(K), disable_log_stats=False) as llm:
+        yield llm, mixed
+
+
+def test_noise_drafter_rejected(noise_llm):
+    llm, mixed = noise_llm
+    policy = _policy(llm)
+    policy.varlen = False  # fixed length (the default): every draft verified
+    before = _spec_counts(llm)
+    _generate(llm, mixed)
+    stats = _delta(_spec_counts(llm), before)
+    assert stats["num_draft_tokens"] >= K * len(mixed) * (N_NEW // 2), stats
+    assert stats["num_accepted_tokens"] / stats["num_draft_tokens"] < 0.05, stats
+
+
+def test_noise_drafter_min_length(noise_llm):
+    llm, mixed = noise_llm
+    policy = _policy(llm)
+    policy.varlen = True
+    counts = list(policy.length_counts)
+    before = _spec_counts(llm)
+    _generate(llm, mixed)
+    chosen = [a - b for a, b in zip(policy.length_counts, counts)]
+    assert sum(chosen) > 0 and chosen[0] == sum(chosen), chosen
+    assert _delta(_spec_counts(llm), before).get("num_draft_tokens", 0) == 0
+
+
+# ----------------------------------------------------------------------------- seeded sampling
+N_SAMPLES = 256
+POSITIONS = (1, 2, 3)    # generated-token positions after the first (the first comes from the prompt's logits)
+ALPHA = 0.01             # family-wise false-alarm rate: Bonferroni over POSITIONS, ALPHA / 3 per test
+
+
+def _samples(llm) -> list[list[int]]:
+    """N_SAMPLES seeded requests of one prompt at temperature 2 over logits of std ~32: a small effective
+    vocabulary (a few tokens per position carry the mass), so the greedy drafts are accepted often but not
+    always. No top-k: vLLM 0.32's CPU rejection sampler crashes on top-k in a step without drafts (NOTES.md)."""
+    from vllm import SamplingParams
+
+    params = [SamplingParams(temperature=2.0, seed=s, max_tokens=1 + max(POSITIONS), ignore_eos=True)
+              for s in range(N_SAMPLES)]
+    return _generate(llm, [list(range(100, 140))] * N_SAMPLES, params=params)
+
+
+def test_seeded_sampling_distribution(reproduce, reproduce_llm):
+    """Tokens sampled with speculation follow the no-speculation distribution: per position, a chi-square
+    homogeneity test of the two samples at ALPHA / len(POSITIONS) (false alarm <= ALPHA = 1 % in all,
+    chi-square approximation); both of vLLM's rejection-sampler paths (accept, reject + resample) run."""
+    off = reproduce[3]
+    llm = reproduce_llm
+    before = _spec_counts(llm)
+    on = _samples(llm)
+    stats = _delta(_spec_counts(llm), before)
+    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"], stats
+    for pos in POSITIONS:
+        a, b = [s[pos] for s in off], [s[pos] for s in on]
+        assert len(set(a)) >= 2, f"position {pos}: no randomness to test"
+        p = chi2_homogeneity_p(a, b)
+        assert p > ALPHA / len(POSITIONS), f"position {pos}: p = {p:.2e}"
+
+
+def chi2_homogeneity_p(a: list[int], b: list[int], min_pooled: int = 10) -> float:
+    """p-value of the chi-square test that two samples of tokens come from one distribution (cells whose
+    pooled count is below `min_pooled` are merged into one)."""
+    from collections import Counter
+
+    ca, cb = Counter(a), Counter(b)
+    cells, rest = [], [0, 0]
+    for tok in sorted(set(ca) | set(cb)):
+        if ca[tok] + cb[tok] >= min_pooled:
+            cells.append((ca[tok], cb[tok]))
+        else:
+            rest = [rest[0] + ca[tok], rest[1] + cb[tok]]
+    if sum(rest):
+        cells.append(tuple(rest))
+    if len(cells) < 2:
+        return 1.0
+    na, nb = len(a), len(b)
+    stat = sum((x - (xa + xb) * n / (na + nb)) ** 2 / ((xa + xb) * n / (na + nb))
+               for xa, xb in cells for x, n in ((xa, na), (xb, nb)))
+    dof = torch.tensor((len(cells) - 1) / 2.0, dtype=torch.float64)
+    return float(torch.special.gammaincc(dof, torch.tensor(stat / 2.0, dtype=torch.float64)))
+
+
+def test_chi2_helper_detects_a_shift():
+    """The statistic has power at this sample size: 60/40 vs 40/60 splits of 256 draws are rejected at
+    ALPHA / 3, near-equal splits are not."""
+    assert chi2_homogeneity_p([0] * 154 + [1] * 102, [0] * 102 + [1] * 154) < ALPHA / len(POSITIONS)
+    assert chi2_homogeneity_p([0] * 128 + [1] * 128, [0] * 131 + [1] * 125) > 0.5
+
+
+# ----------------------------------------------------------------------------- draft-length policy
+def test_choose_lengths_prefix_and_extremes():
+    sure, flat = draft_survival(torch.full((4, K), 0.999)), draft_survival(torch.full((4, K), 1 / 8192))
+    assert choose_lengths(sure, 4).tolist() == [K] * 4
+    assert choose_lengths(flat, 4).tolist() == [0] * 4
+    mixed = draft_survival(torch.tensor([[0.99, 0.99, 0.1], [0.5, 0.5, 0.5], [0.01, 0.9, 0.9]]))
+    assert choose_lengths(mixed, 3, VerifyCost(fixed=1.0, per_token=1.0)).tolist() == [2, 0, 0]
+
+
+def test_choose_lengths_shrinks_with_batch_size():
+    """The same confidences verify fewer drafts when the batch makes each verified token cost more."""
+    s = draft_survival(torch.full((256, K), 0.9))
+    small, large = choose_lengths(s[:2], 2), choose_lengths(s, 256)
+    assert small.tolist() == [K, K] and int(large.max()) < K
+
+
+def test_choose_lengths_maximises_expected_rate():
+    """Against brute force over every length vector of a small batch."""
+    import itertools
+
+    cost = VerifyCost(fixed=2.0, per_token=1.0)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        s = draft_survival(torch.rand(3, K, generator=g))
+        def rate(ks):
+            return (3 + sum(float(s[r, :k].sum()) for r, k in enumerate(ks))) / cost.step_time(3 + sum(ks))
+        best = max(rate(ks) for ks in itertools.product(range(K + 1), repeat=3))
+        assert math.isclose(rate(choose_lengths(s, 3, cost).tolist()), best, rel_tol=1e-9)
+
+
+# ----------------------------------------------------------------------------- vllm serve
+def test_serve_metrics_from_deepinfer_settings(ckpt_root, tmp_path):
+    """`vllm serve` with DEEPINFER_USE_NEXTN_DECODE=3 and DEEPINFER_ENABLE_MTP_VARLEN=1 (no --speculative-config):
+    speculation runs, and /metrics shows vLLM's acceptance counters per position and in total."""
+    import re
+
+    import httpx
+
+    from tests.conftest import Server, free_port
+
+    model = tiny_checkpoint(ckpt_root, "v4-flash", 0, drafter="reproduce")
+    srv = Server(model, free_port(), tmp_path / "server.log", ["--max-model-len", "1024", "--max-num-seqs", "4"],
+                 env={"DEEPINFER_USE_NEXTN_DECODE": "3", "DEEPINFER_ENABLE_MTP_VARLEN": "1"})
+    try:
+        srv.wait_ready()
+        r = httpx.post(srv.url + "/v1/completions", timeout=300, json={
+            "model": str(model), "prompt": list(range(100, 140)), "max_tokens": 32, "temperature": 0,
+            "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        metrics = httpx.get(srv.url + "/metrics", timeout=30).text
+    finally:
+        srv.stop()
+
+    def value(name: str, labels: str = "") -> float:
+        m = re.search(rf"^{re.escape(name)}\{{[^}}]*{labels}[^}}]*\}} ([0-9.e+]+)$", metrics, re.M)
+        assert m, f"{name} {labels} not on /metrics"
+        return float(m.group(1))
+
+    drafts, draft_tokens = value("vllm:spec_decode_num_drafts_total"), value("vllm:spec_decode_num_draft_tokens_total")
+    accepted = value("vllm:spec_decode_num_accepted_tokens_total")
+    per_pos = [value("vllm:spec_decode_num_accepted_tokens_per_pos_total", f'position="{i}"') for i in range(K)]
+    assert drafts > 0 and draft_tokens == K * drafts, (drafts, draft_tokens)   # varlen kept the maximum
+    assert accepted / draft_tokens > 0.95 and min(per_pos) > 0.95 * drafts, (accepted, per_pos)
+    assert "confidence-scheduled" in (tmp_path / "server.log").read_text()
