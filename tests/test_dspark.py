@@ -1,0 +1,209 @@
+"""DSpark drafter of V4.1 (issue 11 part B) on tiny real-format checkpoints.
+
+The target runs inside a vLLM engine (in-process, fp32); the drafter is built on that engine's config and
+target (`spec_decode.dspark.DSparkDrafter`), loads the checkpoint's `mtp.*` tensors, and its window caches
+get their own paged buffers and block tables here (the engine does not schedule the drafter yet).
+References: `tests/reference/dense_dspark.py` on `dense_v41.py` (independent of the package).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import engine, tiny_checkpoint
+
+W_MAX_LEN = 1024  # max_model_len of the test engines
+
+
+def _weights(ckpt: Path):
+    from safetensors import safe_open
+
+    for shard in sorted(set(json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"].values())):
+        with safe_open(str(ckpt / shard), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+class Session:
+    """An engine on `ckpt` with its target model, a loaded drafter and paged buffers for the drafter's caches."""
+
+    def __init__(self, llm, ckpt: Path, prefix: str):
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+        from vllm_deepinfer.spec_decode.dspark import DSparkDrafter
+
+        self.llm, self.vcfg = llm, llm.llm_engine.vllm_config
+        self.target = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.model
+        with set_current_vllm_config(self.vcfg):
+            self.drafter = DSparkDrafter(self.vcfg, self.target, prefix=prefix)
+        self.drafter.load_weights(_weights(ckpt))
+        process_weights_after_loading(self.drafter, self.vcfg.model_config, torch.device("cpu"))
+        self.arch = self.target.arch
+
+    def caches(self, n_reqs: int) -> dict:
+        """Fresh zeroed buffers for every stage's window cache: request r owns blocks r*nb+1 .. (r+1)*nb
+        (block 0 is the null block) -> the metadata per cache prefix."""
+        from vllm_deepinfer.attention.backend import PagedCacheMetadata
+
+        meta = {}
+        for stage in self.drafter.stages:
+            cache = stage.attn.window_cache
+            nb = -(-W_MAX_LEN // cache.block_size)
+            cache.bind_kv_cache(torch.zeros(n_reqs * nb + 1, 1, cache.rows_per_block, cache.width))
+            table = 1 + torch.arange(n_reqs * nb, dtype=torch.int32).view(n_reqs, nb)
+            meta[cache.prefix] = PagedCacheMetadata(table, torch.zeros(n_reqs + 1, dtype=torch.int32),
+                                                    torch.zeros(n_reqs, dtype=torch.int32), cache.block_size,
+                                                    n_reqs, 0, False, W_MAX_LEN)
+        return meta
+
+    @contextlib.contextmanager
+    def forward(self):
+        from vllm.forward_context import set_forward_context
+
+        with torch.inference_mode(), set_forward_context(None, self.vcfg):
+            yield
+
+    def draft(self, contexts: list[torch.Tensor], anchors: list[int], n: int, req: list[int] | None = None,
+              temperature=None, seeds=None):
+        """contexts[b]: features [P_b + 1, n_targets, D] of request b (or of request req[b], written once)."""
+        from vllm_deepinfer.spec_decode.dspark import DraftBatch
+
+        req = list(range(len(contexts))) if req is None else req
+        meta = self.caches(max(req) + 1)
+        with self.forward():
+            for r in sorted(set(req)):
+                f = max((c for c, q in zip(contexts, req) if q == r), key=len)
+                self.drafter.write_context(f, torch.full((f.shape[0],), r), torch.arange(f.shape[0]), meta)
+            block = DraftBatch(torch.tensor(req), torch.tensor([c.shape[0] for c in contexts]), n, meta)
+            return self.drafter.draft(torch.tensor(anchors), block, temperature, seeds)
+
+    def target_features(self, ids: list[int]) -> torch.Tensor:
+        """Our target's captured features [T, n_targets, D] of one prefill of `ids` (through the engine)."""
+        from vllm import SamplingParams
+
+        capture = self.target.enable_stream_capture(self.arch.dspark_target_layer_ids, 4096)
+        try:
+            self.llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, temperature=0),
+                              use_tqdm=False)
+        finally:
+            self.target.model.capture = None
+        assert capture.n_tokens == len(ids) and bool(capture.valid[: len(ids)].all())
+        return capture.features[: len(ids)].clone()
+
+
+@pytest.fixture(scope="module")
+def random_ckpt(ckpt_root):
+    return tiny_checkpoint(ckpt_root, "v4.1-flash")
+
+
+@pytest.fixture(scope="module")
+def session(random_ckpt):
+    with engine(random_ckpt, max_model_len=W_MAX_LEN) as llm:
+        yield Session(llm, random_ckpt, "draft_random")
+
+
+@pytest.fixture(scope="module")
+def reference(random_ckpt):
+    from tests.reference.dense_dspark import DenseDSpark
+    from tests.reference.dense_v41 import DenseV41
+
+    return DenseDSpark(DenseV41(random_ckpt))
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 8000, (n,), generator=g).tolist()
+
+
+# fp32 tolerances (measured maxima, printed with -s: features 8.6e-6, logits 2.9e-6, confidences 5.4e-7)
+FEATURE_TOL = dict(rtol=1e-5, atol=5e-5)
+LOGIT_TOL = dict(rtol=1e-5, atol=5e-5)
+CONF_TOL = dict(rtol=0, atol=5e-6)
+
+
+def test_target_capture_matches_reference(session, reference):
+    """The streams entering the target layers (stream mean), our engine's forward vs the dense reference."""
+    for n in (9, 130):
+        ids = _ids(n, n)
+        ours, ref = session.target_features(ids), reference.features(ids)
+        print(f"features T={n}: max |diff| {(ours - ref).abs().max():.2e}")
+        torch.testing.assert_close(ours, ref.to(ours.dtype), **FEATURE_TOL)
+
+
+@pytest.mark.parametrize("lens,n", [((1,), 5), ((37,), 5), ((150, 37, 1), 5), ((129, 4), 3)])
+def test_draft_matches_reference(session, reference, lens, n):
+    """Logits (Markov-corrected), confidences and greedy tokens of one block per request, batched, vs the
+    reference run per request; contexts shorter than, equal to and longer than the window (W = 128)."""
+    contexts = [reference.features(_ids(p, p)) for p in lens]
+    anchors = _ids(len(lens), 99)
+    got = session.draft(contexts, anchors, n)
+    assert got.tokens.shape == (len(lens), n) and got.logits.shape == (len(lens), n, session.arch.vocab_size)
+    for b, (f, a) in enumerate(zip(contexts, anchors)):
+        want = reference.draft(f, a, n)
+        print(f"P+1={f.shape[0]} n={n}: logits max |diff| {(got.logits[b] - want['logits']).abs().max():.2e}, "
+              f"confidence {(got.confidence[b] - want['confidence']).abs().max():.2e}")
+        torch.testing.assert_close(got.logits[b], want["logits"].float(), **LOGIT_TOL)
+        torch.testing.assert_close(got.confidence[b], want["confidence"].float(), **CONF_TOL)
+        assert got.tokens[b].tolist() == want["tokens"]
+
+
+def test_seeded_draft_is_batch_independent(session, reference):
+    """Seeded drafts are a function of (seed, position, logits): the same request drafts the same tokens
+    alone and in a batch; T = 0 rows stay greedy; different seeds draw differently."""
+    contexts = [reference.features(_ids(p, p)) for p in (20, 45)]
+    anchors = _ids(2, 7)
+    t1 = torch.tensor([1.0, 0.0])
+    both = session.draft(contexts, anchors, 5, temperature=t1, seeds=torch.tensor([11, 12]))
+    alone = session.draft(contexts[:1], anchors[:1], 5, temperature=t1[:1], seeds=torch.tensor([11]))
+    greedy = session.draft(contexts, anchors, 5)
+    assert both.tokens[0].tolist() == alone.tokens[0].tolist()
+    assert both.tokens[1].tolist() == greedy.tokens[1].tolist()
+    other = session.draft(contexts[:1], anchors[:1], 5, temperature=t1[:1], seeds=torch.tensor([12345]))
+    assert other.tokens[0].tolist() != alone.tokens[0].tolist()
+
+
+def _acceptance(tokens: torch.Tensor, truth: list[list[int]]) -> float:
+    """Mean accepted prefix length / N over the rows."""
+    n, total = tokens.shape[1], 0
+    for row, want in zip(tokens.tolist(), truth):
+        k = 0
+        while k < n and row[k] == want[k]:
+            k += 1
+        total += k
+    return total / (n * len(truth))
+
+
+@pytest.mark.parametrize("kind", ["reproduce", "noise"])
+def test_checkpoint_drafters(ckpt_root, kind):
+    """`make_checkpoint(..., drafter=kind)`: on our target's greedy continuation, drafting after every
+    anchor of it, the reproducing drafter's tokens are that continuation (acceptance ~1, c ~ 1) and the
+    noise drafter's never are (acceptance ~0, c ~ 0)."""
+    from vllm import SamplingParams
+
+    from vllm_deepinfer.tools.make_checkpoint import make_checkpoint
+
+    ckpt = make_checkpoint("v4.1-flash", "tiny", ckpt_root / f"v4.1-drafter-{kind}", seed=0, drafter=kind,
+                           progress=False)
+    n = 5
+    with engine(ckpt, max_model_len=W_MAX_LEN) as llm:
+        s = Session(llm, ckpt, f"draft_{kind}")
+        prompt = _ids(40, 3)
+        out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=48, temperature=0),
+                           use_tqdm=False)
+        seq = prompt + list(out[0].outputs[0].token_ids)
+        features = s.target_features(seq)
+        anchors = range(len(prompt), len(seq) - n - 1)       # anchor at position p: context 0..p-1
+        draft = s.draft([features[:p] for p in anchors], [seq[p] for p in anchors], n, req=[0] * len(anchors))
+    acc = _acceptance(draft.tokens, [seq[p + 1:p + 1 + n] for p in anchors])
+    conf = draft.confidence.mean().item()
+    print(f"{kind}: acceptance {acc:.3f} over {len(anchors)} blocks of {n}, mean confidence {conf:.4f}")
+    if kind == "reproduce":
+        assert acc >= 0.95 and conf > 0.99
+    else:
+        assert acc <= 0.05 and conf < 0.01
