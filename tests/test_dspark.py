@@ -41,7 +41,8 @@ class Session:
         self.llm, self.vcfg = llm, llm.llm_engine.vllm_config
         self.target = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.model
         with set_current_vllm_config(self.vcfg):
-            self.drafter = DSparkDrafter(self.vcfg, self.target, prefix=prefix)
+            self.drafter = DSparkDrafter(vllm_config=self.vcfg, prefix=prefix)
+        self.drafter.bind_target(self.target)
         self.drafter.load_weights(_weights(ckpt))
         process_weights_after_loading(self.drafter, self.vcfg.model_config, torch.device("cpu"))
         self.arch = self.target.arch

@@ -59,6 +59,8 @@ class DeepInferFP8Config(QuantizationConfig):
     def override_quantization_method(cls, hf_quant_cfg: dict[str, Any], user_quant: str | None,
                                      hf_config: Any = None) -> str | None:
         model_type = getattr(hf_config, "model_type", None)
+        if model_type == "deepseek_mtp" and hasattr(hf_config, "compress_ratios"):
+            model_type = "deepseek_v4"  # vLLM's draft-config rename of a V4/V4.1 target (speculative decoding)
         if model_type in MODEL_TYPES and hf_quant_cfg.get("quant_method") == "fp8" and user_quant in (None, "fp8", NAME):
             return NAME
         return None

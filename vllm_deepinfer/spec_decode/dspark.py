@@ -127,10 +127,11 @@ class DSparkAttention(Attention):
         return kv
 
     def write_context(self, main_x: torch.Tensor, req: torch.Tensor, positions: torch.Tensor,
-                      meta: PagedCacheMetadata) -> None:
-        """main_x: [T, D]; req, positions: [T] -> this stage's window KV of those tokens, stored."""
+                      meta: PagedCacheMetadata, keep: torch.Tensor | None = None) -> None:
+        """main_x: [T, D]; req, positions: [T] -> this stage's window KV of those tokens, stored (rows where
+        `keep` [T] is False go to the null block)."""
         cos, sin = self.rope.cos_sin(positions)
-        self.window_cache.write(meta, req, positions, self._keys(main_x, cos, sin))
+        self.window_cache.write(meta, req, positions, self._keys(main_x, cos, sin), keep=keep)
 
     def forward(self, x: torch.Tensor, block: DraftBatch) -> torch.Tensor:
         """x: [B * N, D] (normalised, request-major) -> [B * N, D].
@@ -191,14 +192,19 @@ class ConfidenceHead(nn.Module):
 class DSparkDrafter(nn.Module):
     """The three DSpark stages of a V4.1 target plus the Markov and confidence heads (module docstring).
 
-    `target`: the loaded `DeepseekV41ForCausalLM`, whose embedding and head the drafter calls. Build it
-    inside the engine's vLLM config (`set_current_vllm_config`): the stages' window caches are vLLM
-    KV-cache layers named `{prefix}.stages.{i}.attn.window_cache`, and their MoE layers are vLLM's.
+    A vLLM model class (registered as `DSparkV41DraftModel`, the draft architecture vLLM gives V4.1's
+    `dspark` method): built inside the engine's vLLM config, its stages' window caches are vLLM KV-cache
+    layers named `{prefix}.stages.{i}.attn.window_cache` and their MoE layers are vLLM's. The config is the
+    draft model config's (vLLM's copy of the target config), else the model config's. `bind_target`
+    hands it the loaded `DeepseekV41ForCausalLM`, whose embedding and head it calls.
     """
 
-    def __init__(self, vllm_config: VllmConfig, target: nn.Module, prefix: str = "draft"):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
-        arch: ArchConfig = target.arch
+        spec = vllm_config.speculative_config
+        hf_config = (spec.draft_model_config if spec is not None else vllm_config.model_config).hf_config
+        arch = ArchConfig.from_hf(hf_config)
+        prefix = prefix or "dspark"
         if arch.family != V41 or not arch.num_draft_layers or not arch.dspark_target_layer_ids:
             raise ConfigError("DSpark needs a V4.1 checkpoint with num_nextn_predict_layers stages and "
                               "dspark_target_layer_ids")
@@ -215,11 +221,15 @@ class DSparkDrafter(nn.Module):
         self.norm = RMSNorm(d, eps)
         self.markov_head = MarkovHead(arch.vocab_size, arch.dspark_markov_rank)
         self.confidence_head = ConfidenceHead(d + arch.dspark_markov_rank)
-        self._embed, self._logits = target.embed_input_ids, target.compute_logits  # shared, not owned
+        self._embed = self._logits = None  # the target's, set by bind_target (shared, not owned)
         if ops.packed_storage(ops.FP8_LINEARS_ENV, torch.device(vllm_config.device_config.device).type):
             fp8 = {draft_name(n) for n, (dtype, _) in expected_tensors(arch).items()
                    if dtype == "F8_E4M3" and n.startswith(DRAFT_PREFIX)}
             pack_fp8_linears(self, fp8, arch.weight_block_size)
+
+    def bind_target(self, target: nn.Module) -> None:
+        """Use `target`'s embedding and head (`embed_input_ids`, `compute_logits`)."""
+        self._embed, self._logits = target.embed_input_ids, target.compute_logits
 
     @property
     def cache_prefixes(self) -> list[str]:
@@ -231,13 +241,13 @@ class DSparkDrafter(nn.Module):
         return self.main_norm(self.main_proj(aux.flatten(1)))
 
     def write_context(self, aux: torch.Tensor, req: torch.Tensor, positions: torch.Tensor,
-                      attn_metadata: dict[str, PagedCacheMetadata]) -> None:
+                      attn_metadata: dict[str, PagedCacheMetadata], keep: torch.Tensor | None = None) -> None:
         """Context KV of T target tokens into every stage's window cache. aux: [T, n_targets, D];
-        req, positions: [T] (block-table row and position of each token)."""
+        req, positions: [T] (block-table row and position of each token); keep: [T] rows to store (None: all)."""
         main_x = self.context_features(aux)
         for stage in self.stages:
             attn = stage.attn
-            attn.write_context(main_x, req, positions, attn_metadata[attn.window_cache.prefix])
+            attn.write_context(main_x, req, positions, attn_metadata[attn.window_cache.prefix], keep)
 
     def draft(self, anchor: torch.Tensor, block: DraftBatch, temperature: torch.Tensor | None = None,
               seeds: torch.Tensor | None = None) -> Draft:
