@@ -208,3 +208,69 @@ def test_checkpoint_drafters(ckpt_root, kind):
         assert acc >= 0.95 and conf > 0.99
     else:
         assert acc <= 0.05 and conf < 0.01
+
+
+SPEC = {"method": "dspark", "num_speculative_tokens": 5}
+
+
+def _generate(llm, prompts: list[list[int]], n: int) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=n, temperature=0),
+                        use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _spec_counters(llm) -> tuple[int, int]:
+    m = {x.name: x for x in llm.get_metrics()}
+    return m["vllm:spec_decode_num_draft_tokens"].value, m["vllm:spec_decode_num_accepted_tokens"].value
+
+
+def test_engine_dspark_reproduce_is_lossless_and_accepted(ckpt_root):
+    """vLLM's V1 runner with `method="dspark"` (our proposer): greedy tokens equal speculation off on a
+    mixed-length batch with chunked prefill, and the reproducing drafter's drafts are all accepted."""
+    from vllm_deepinfer.tools.make_checkpoint import make_checkpoint
+
+    ckpt = make_checkpoint("v4.1-flash", "tiny", ckpt_root / "v4.1-drafter-reproduce", seed=0, drafter="reproduce",
+                           progress=False)
+    prompts = [_ids(n, n) for n in (7, 40, 150)]
+    chunked = dict(max_model_len=W_MAX_LEN, max_num_batched_tokens=64, enable_chunked_prefill=True)
+    with engine(ckpt, speculative_config=SPEC, disable_log_stats=False, **chunked) as llm:
+        spec = _generate(llm, prompts, 24)
+        drafted, accepted = _spec_counters(llm)
+    with engine(ckpt, **chunked) as llm:
+        base = _generate(llm, prompts, 24)
+    print(f"reproduce in vLLM: {accepted}/{drafted} draft tokens accepted")
+    assert spec == base
+    assert drafted > 0 and accepted / drafted >= 0.95
+
+
+def test_engine_dspark_drafts_match_reference(random_ckpt, reference):
+    """Random drafter in vLLM (drafts rejected every step, chunked prefill): every block our proposer
+    drafts equals the dense reference's greedy block for the same context and anchor, and the greedy
+    tokens equal speculation off."""
+    chunked = dict(max_model_len=W_MAX_LEN, max_num_batched_tokens=64, enable_chunked_prefill=True)
+    prompt = _ids(150, 5)
+    records = []
+    with engine(random_ckpt, speculative_config=SPEC, **chunked) as llm:
+        proposer = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.drafter
+        propose = proposer.propose
+
+        def recording(**kw):
+            tokens = propose(**kw)
+            cm, rejected = kw["common_attn_metadata"], kw["num_rejected_tokens_gpu"]
+            pos = int(cm.seq_lens[0]) - (0 if rejected is None else int(rejected[0]))
+            records.append((pos, int(kw["next_token_ids"][0]), tokens[0].tolist()))
+            return tokens
+
+        proposer.propose = recording
+        spec = _generate(llm, [prompt], 12)[0]
+    with engine(random_ckpt, **chunked) as llm:
+        assert spec == _generate(llm, [prompt], 12)[0]
+    seq = prompt + spec
+    features = reference.features(seq)
+    done = [r for r in records if r[0] >= len(prompt)]  # the last prefill chunk's and every decode step's block
+    assert len(done) >= len(spec) - 1
+    for pos, anchor, tokens in done:
+        assert anchor == seq[pos]
+        assert tokens == reference.draft(features[:pos], anchor, 5)["tokens"], pos
