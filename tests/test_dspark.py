@@ -165,6 +165,9 @@ def test_seeded_draft_is_batch_independent(session, reference):
     greedy = session.draft(contexts, anchors, 5)
     assert both.tokens[0].tolist() == alone.tokens[0].tolist()
     assert both.tokens[1].tolist() == greedy.tokens[1].tolist()
+    probs = both.probs(t1)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(2, 5))
+    assert probs[1].argmax(-1).tolist() == greedy.tokens[1].tolist() and bool((probs[1].max(-1).values == 1).all())
     other = session.draft(contexts[:1], anchors[:1], 5, temperature=t1[:1], seeds=torch.tensor([12345]))
     assert other.tokens[0].tolist() != alone.tokens[0].tolist()
 

@@ -211,7 +211,7 @@ class DSparkDrafter(nn.Module):
         self.arch = arch
         d, eps = arch.hidden_size, arch.rms_norm_eps
         self.target_layers = arch.dspark_target_layer_ids
-        self.block_size, self.noise = arch.dspark_block_size, arch.dspark_noise_token_id
+        self.noise = arch.dspark_noise_token_id
         self.main_proj = Linear(len(self.target_layers) * d, d, prefix=f"{prefix}.main_proj")
         self.main_norm = RMSNorm(d, eps)
         page_bytes = cache_page_bytes(vllm_config, arch.head_dim, vllm_config.model_config.dtype)
@@ -230,11 +230,6 @@ class DSparkDrafter(nn.Module):
     def bind_target(self, target: nn.Module) -> None:
         """Use `target`'s embedding and head (`embed_input_ids`, `compute_logits`)."""
         self._embed, self._logits = target.embed_input_ids, target.compute_logits
-
-    @property
-    def cache_prefixes(self) -> list[str]:
-        """The stages' window-cache layer names (one vLLM KV-cache layer each)."""
-        return [stage.attn.window_cache.prefix for stage in self.stages]
 
     def context_features(self, aux: torch.Tensor) -> torch.Tensor:
         """aux: [T, n_targets, D] stream means entering the target layers (in config order) -> main_x [T, D]."""

@@ -45,7 +45,13 @@ class DSparkProposer(EagleProposer):
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device, runner):
         super().__init__(vllm_config, device, runner)
+        if self.speculative_config.disable_padded_drafter_batch:
+            # that path hands only the accepted tokens, which no longer line up with the capture's rows
+            raise NotImplementedError("DeepInfer DSpark needs the padded drafter batch "
+                                      "(disable_padded_drafter_batch=False)")
         self.runner = runner
+        # c_k of the last drafts, [num_reqs, N] fp32 in the runner's batch order (for draft-length scheduling)
+        self.last_confidence: torch.Tensor | None = None
 
     def load_model(self, target_model: nn.Module) -> None:
         """Build and load the drafter (vLLM's loader, architecture `DSparkV41DraftModel`), share the target's
@@ -108,4 +114,5 @@ class DSparkProposer(EagleProposer):
                                      keep=self.capture.valid[:t])
             block = DraftBatch(torch.arange(b, device=dev), anchor_pos, num_speculative_tokens, metadata)
             draft = self.model.draft(next_token_ids[:b].long(), block)
+        self.last_confidence = draft.confidence
         return draft.tokens

@@ -4,13 +4,13 @@ CLI::
 
     python -m vllm_deepinfer.tools.make_checkpoint --arch {v4.1-flash,v4-flash} --preset {tiny,full-width,tiny-gpu} \
         [--layers N] [--seed S] --out DIR [--index-topk K] [--fast] [--config FILE] [--set KEY=JSON ...] \
-        [--no-vision] [--max-shard-mb MB] [--no-progress] [--skip-checks]
+        [--no-vision] [--max-shard-mb MB] [--no-progress] [--skip-checks] [--drafter {reproduce,noise}]
 
 Python API::
 
     make_checkpoint(arch, preset="tiny", out=..., layers=None, seed=0, *, index_topk=None, fast=False,
                     config=None, overrides=None, include_vision=True, max_shard_bytes=None,
-                    progress=True, check=True) -> Path
+                    progress=True, check=True, drafter=None) -> Path
     build_config(arch, preset="tiny", layers=None, *, ...) -> dict          # config.json content
     ensure_demo_checkpoint(cache_dir=None) -> Path                            # tiny V4.1, seed 0, cached
     self_check(out_dir) -> dict                                               # model-spec §8.8 checks
@@ -31,6 +31,9 @@ Presets (templates in ``configs/``):
   and the 8192-token synthetic vocabulary.
 * ``tiny-gpu``: the ``tiny`` layer plans with the smallest widths vLLM's in-tree NVIDIA SM90 path accepts
   (hidden 256, index heads 32, V4.1 expert width 128; see NOTES.md "In-tree NVIDIA minimum dims").
+
+``--drafter reproduce|noise`` (V4.1, `V41Drafter`): a token-local target whose DSpark drafter reproduces its
+greedy continuation with confidence ~1, or always drafts a wrong token with confidence ~0.
 
 ``--layers N`` keeps the layer pattern (see `v4_layer_plan` / `v41_layer_plan`); for the default depth the
 template's plan is used verbatim.
