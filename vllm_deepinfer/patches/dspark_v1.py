@@ -8,7 +8,9 @@ V4.1 targets in `SpeculativeConfig.__post_init__`. The V1 runner picks its propo
 the draft architecture is DeepInfer's drafter (`DSparkV41DraftModel` registered to
 `vllm_deepinfer.spec_decode.dspark:DSparkDrafter` and a DeepInfer target):
 
-* the V1 refusal list drops that one entry;
+* the V1 refusal list drops that one entry, and the V2 list gains "DeepInfer's DSpark drafter" (the V2
+  `DSparkSpeculator` expects vLLM's own draft model surface), so vLLM picks V1 on GPU too (or refuses V2 by name
+  when `VLLM_USE_V2_MODEL_RUNNER=1`);
 * after `GPUModelRunner.__init__` (inherited by `CPUModelRunner`) the runner's drafter is our
   `spec_decode.proposer.DSparkProposer`, an `EagleProposer` subclass, so the runner's isinstance checks and
   its eagle code path (input preparation, draft KV group, `propose`) apply unchanged.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import functools
 
 V1_REFUSAL = "dspark speculative decoding"
+V2_GAP = "DeepInfer's DSpark drafter"
 DRAFT_ARCH = "DSparkV41DraftModel"
 
 
@@ -40,6 +43,11 @@ def apply() -> None:
     unsupported = VllmConfig._get_v1_model_runner_unsupported_features
     if getattr(unsupported, "_deepinfer", False):
         return
+    v2 = VllmConfig._get_v2_model_runner_unsupported_features
+
+    @functools.wraps(v2)
+    def v2_unsupported(self) -> list[str]:
+        return v2(self) + ([V2_GAP] if deepinfer_dspark(self) else [])
 
     @functools.wraps(unsupported)
     def v1_unsupported(self) -> list[str]:
@@ -56,6 +64,7 @@ def apply() -> None:
 
             self.drafter = DSparkProposer(self.vllm_config, self.device, self)
 
-    v1_unsupported._deepinfer = runner_init._deepinfer = True
+    v1_unsupported._deepinfer = v2_unsupported._deepinfer = runner_init._deepinfer = True
     VllmConfig._get_v1_model_runner_unsupported_features = v1_unsupported
+    VllmConfig._get_v2_model_runner_unsupported_features = v2_unsupported
     GPUModelRunner.__init__ = runner_init
