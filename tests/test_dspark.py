@@ -172,6 +172,39 @@ def test_seeded_draft_is_batch_independent(session, reference):
     assert other.tokens[0].tolist() != alone.tokens[0].tolist()
 
 
+def test_heads_match_vllm_in_tree_pieces(session):
+    """vLLM's in-tree DSpark stages need CUDA kernels (tilelang mHC, fused KV-RoPE insert); its Markov and
+    confidence heads (`qwen3_dspark.DSparkMarkovHead` / `DSparkConfidenceHead`, used by the V4.1 DSpark
+    model) are plain torch: with our checkpoint's weights they give our heads' values."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+    from vllm.model_executor.models.qwen3_dspark import DSparkConfidenceHead, DSparkMarkovHead
+
+    a, ours = session.arch, session.drafter
+    with set_current_vllm_config(session.vcfg):
+        markov = DSparkMarkovHead(a.vocab_size, a.vocab_size, a.dspark_markov_rank, prefix="intree.markov")
+        conf = DSparkConfidenceHead(a.hidden_size + a.dspark_markov_rank, prefix="intree.confidence")
+        processor = LogitsProcessor(a.vocab_size)
+    markov.markov_w1.weight.data.copy_(ours.markov_head.embed.weight)
+    markov.markov_w2.weight.data.copy_(ours.markov_head.head.weight)
+    conf.proj.weight.data.copy_(ours.confidence_head.proj.weight)
+    for module in (markov, conf):  # vLLM's CPU linears repack here
+        process_weights_after_loading(module, session.vcfg.model_config, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    prev = torch.randint(0, a.vocab_size, (7,), generator=g)
+    hidden = torch.randn(7, a.hidden_size, generator=g)
+    with session.forward():
+        psi = ours.markov_head.embed(prev)
+        torch.testing.assert_close(markov.embed(prev), psi, rtol=0, atol=0)
+        torch.testing.assert_close(markov.bias(psi, processor), ours.markov_head.head(psi),
+                                   rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(torch.sigmoid(conf(hidden, psi)), ours.confidence_head(hidden, psi),
+                                   rtol=1e-6, atol=1e-7)
+
+# Tests below start their own engines; an engine's exit tears down the distributed state that the module's
+# `session` engine uses, so every test on `session` comes before them.
+
 def _acceptance(tokens: torch.Tensor, truth: list[list[int]]) -> float:
     """Mean accepted prefix length / N over the rows."""
     n, total = tokens.shape[1], 0
@@ -278,33 +311,3 @@ def test_engine_dspark_drafts_match_reference(random_ckpt, reference):
         assert anchor == seq[pos]
         assert tokens == reference.draft(features[:pos], anchor, 5)["tokens"], pos
 
-
-def test_heads_match_vllm_in_tree_pieces(session):
-    """vLLM's in-tree DSpark stages need CUDA kernels (tilelang mHC, fused KV-RoPE insert); its Markov and
-    confidence heads (`qwen3_dspark.DSparkMarkovHead` / `DSparkConfidenceHead`, used by the V4.1 DSpark
-    model) are plain torch: with our checkpoint's weights they give our heads' values."""
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.layers.logits_processor import LogitsProcessor
-    from vllm.model_executor.model_loader.utils import process_weights_after_loading
-    from vllm.model_executor.models.qwen3_dspark import DSparkConfidenceHead, DSparkMarkovHead
-
-    a, ours = session.arch, session.drafter
-    with set_current_vllm_config(session.vcfg):
-        markov = DSparkMarkovHead(a.vocab_size, a.vocab_size, a.dspark_markov_rank, prefix="intree.markov")
-        conf = DSparkConfidenceHead(a.hidden_size + a.dspark_markov_rank, prefix="intree.confidence")
-        processor = LogitsProcessor(a.vocab_size)
-    markov.markov_w1.weight.data.copy_(ours.markov_head.embed.weight)
-    markov.markov_w2.weight.data.copy_(ours.markov_head.head.weight)
-    conf.proj.weight.data.copy_(ours.confidence_head.proj.weight)
-    for module in (markov, conf):  # vLLM's CPU linears repack here
-        process_weights_after_loading(module, session.vcfg.model_config, torch.device("cpu"))
-    g = torch.Generator().manual_seed(0)
-    prev = torch.randint(0, a.vocab_size, (7,), generator=g)
-    hidden = torch.randn(7, a.hidden_size, generator=g)
-    with session.forward():
-        psi = ours.markov_head.embed(prev)
-        torch.testing.assert_close(markov.embed(prev), psi, rtol=0, atol=0)
-        torch.testing.assert_close(markov.bias(psi, processor), ours.markov_head.head(psi),
-                                   rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(torch.sigmoid(conf(hidden, psi)), ours.confidence_head(hidden, psi),
-                                   rtol=1e-6, atol=1e-7)
