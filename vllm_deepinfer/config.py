@@ -352,6 +352,14 @@ class ArchConfig:
     def num_total_layers(self) -> int:
         return self.num_layers + self.num_draft_layers
 
+    def moe_experts(self, layer_id: int) -> tuple[int, int]:
+        """(routed experts, experts per token) of backbone or draft layer `layer_id`: V4.1 DSpark stages
+        use `dspark_n_routed_experts` / `dspark_num_experts_per_tok` (0 = the backbone's), model-spec §3.8."""
+        if self.family == V41 and layer_id >= self.num_layers:
+            return (self.dspark_n_routed_experts or self.n_routed_experts,
+                    self.dspark_num_experts_per_tok or self.num_experts_per_tok)
+        return self.n_routed_experts, self.num_experts_per_tok
+
     def layer_plan(self, layer_id: int) -> LayerPlan:
         """Role of backbone layer `layer_id` (0..L-1) or draft layer (L..L+n-1)."""
         is_draft = layer_id >= self.num_layers

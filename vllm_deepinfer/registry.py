@@ -8,6 +8,8 @@ import os
 MODELS = {
     "DeepseekV4ForCausalLM": "vllm_deepinfer.models.deepseek:DeepseekV4ForCausalLM",
     "DeepseekV41ForCausalLM": "vllm_deepinfer.models.deepseek:DeepseekV41ForCausalLM",
+    # vLLM's draft architecture of V4.1 `method="dspark"` (spec_decode/dspark.py, patches/dspark_v1.py)
+    "DSparkV41DraftModel": "vllm_deepinfer.spec_decode.dspark:DSparkDrafter",
 }
 MODEL_TYPES = ("deepseek_v4", "deepseek_v41")
 #: Draft architectures that vLLM's speculative config rewrites our targets' configs to (model_type

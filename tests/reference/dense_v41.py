@@ -810,7 +810,8 @@ class DenseV41:
         If ``trace`` is a dict it receives the per-layer intermediates for tests:
         ``rows``/``ikeys`` (compressed KV / index keys per KV source), ``sel`` (bool
         [T, n] selection per index source), ``cand`` (candidate-row mask), ``scores``
-        and ``valid`` (indexer scores before the candidate mask, per index source).
+        and ``valid`` (indexer scores before the candidate mask, per index source), ``streams``
+        (the residual streams [T, h, D] entering each layer, before its Engram).
         """
         ids = [int(i) for i in token_ids]
         if not ids:
@@ -825,6 +826,8 @@ class DenseV41:
         st = {"rows": {}, "ikeys": {}, "sel": {}, "cand": None, "trace": trace}
         for l in range(self.L):
             Lw = self.layers[l]
+            if trace is not None:
+                trace.setdefault("streams", {})[l] = X
             if l > 0 and l in self.engram_ids:
                 X = self._engram(l, X, ids)
             pre, post, C = self._hc_coeffs(X, Lw["hc_attn_fn"], Lw["hc_attn_base"], Lw["hc_attn_scale"])

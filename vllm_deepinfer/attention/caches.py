@@ -52,6 +52,8 @@ class ReplayWindowSpec(SlidingWindowMLASpec):
 
     @classmethod
     def merge(cls, specs: list["ReplayWindowSpec"]) -> "ReplayWindowSpec":
+        # vLLM probes merges with any same-layout spec (AssertionError/ValueError = incompatible)
+        assert all(isinstance(s, ReplayWindowSpec) for s in specs), "replay windows group only with replay windows"
         assert len({s.replay_tokens for s in specs}) == 1, "all replay windows of a group must agree"
         return dataclasses.replace(super().merge(specs), replay_tokens=specs[0].replay_tokens)
 

@@ -32,6 +32,7 @@ from vllm_deepinfer.checkpoint.inventory import expected_tensors
 from vllm_deepinfer.config import V4, V41, ArchConfig
 from vllm_deepinfer.log import get_logger
 from vllm_deepinfer.models.attention import Attention
+from vllm_deepinfer.models.capture import StreamCapture
 from vllm_deepinfer.models.engram import (
     Engram,
     EngramHasher,
@@ -75,9 +76,10 @@ class HyperHead(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, vllm_config: VllmConfig, arch: ArchConfig, layer_id: int, ropes: nn.ModuleDict, prefix: str,
                  page_bytes: int, hasher: EngramHasher | None, history: PagedCache | None, engram_host: bool = False,
-                 max_tokens: int = 0):
+                 max_tokens: int = 0, attention_cls: type[Attention] = Attention):
         super().__init__()
         plan = arch.layer_plan(layer_id)
+        n_experts, topk = arch.moe_experts(layer_id)
         self.delayed = arch.family == V41
         hc = (arch.hc_mult, arch.hidden_size, arch.hc_mix_width, arch.rms_norm_eps, arch.hc_eps,
               arch.hc_sinkhorn_iters)
@@ -85,9 +87,9 @@ class DecoderLayer(nn.Module):
         self.attn_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.ffn_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         rope = ropes["compress" if plan.compressed else "main"]
-        self.attn = Attention(arch, plan, rope, f"{prefix}.attn", page_bytes)
+        self.attn = attention_cls(arch, plan, rope, f"{prefix}.attn", page_bytes)
         self.ffn = MoE(vllm_config, f"{prefix}.ffn", arch.hidden_size, arch.moe_intermediate_size,
-                       arch.n_routed_experts, arch.num_experts_per_tok, arch.n_shared_experts, arch.vocab_size,
+                       n_experts, topk, arch.n_shared_experts, arch.vocab_size,
                        plan.hash_routed, arch.routed_scaling_factor, arch.swiglu_limit,
                        arch.image_token_id if arch.family == V41 else -1)
         self.engram = (Engram(arch, plan.engram_table, hasher, history, engram_host, max_tokens)
@@ -169,6 +171,8 @@ class DeepseekModel(nn.Module):
     def embed_tokens(self) -> VocabParallelEmbedding:
         """The embedding under the name vLLM's draft proposer looks up (`_maybe_share_embeddings`)."""
         return self.embed
+        # Speculative decoding: stream means entering some layers (DSpark context features); None = off.
+        self.capture: StreamCapture | None = None
 
     def _wire_shared_caches(self) -> None:
         """V4.1 KV and index-key sharing: consumers read their sources' caches."""
@@ -204,6 +208,8 @@ class DeepseekModel(nn.Module):
         streams = e.unsqueeze(1).expand(-1, self.arch.hc_mult, -1).contiguous()
         carry = rows = None
         for l, layer in enumerate(self.layers):
+            if self.capture is not None:
+                self.capture.record(l, streams, rows)
             retained = batch.retained() if l == cut else None
             streams, carry = layer(streams, carry, batch, retained)
             if l == cut and batch.spans:
@@ -268,6 +274,12 @@ class DeepseekForCausalLM(nn.Module, DeepseekMixtureOfExperts):
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed(input_ids)
+
+    def enable_stream_capture(self, layers: tuple[int, ...], max_tokens: int) -> StreamCapture:
+        """Record the stream means entering `layers` on every forward (DSpark's context features)."""
+        self.model.capture = StreamCapture(layers, max_tokens, self.arch.hidden_size,
+                                           self.model.embed.weight.dtype, self.model.embed.weight.device)
+        return self.model.capture
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors=None,
                 inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:

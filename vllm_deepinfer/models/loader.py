@@ -34,17 +34,22 @@ logger = get_logger(__name__)
 
 DRAFT_PREFIX = "mtp."
 VISION_PREFIXES = ("vision.", "aligner.", "image_")
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")  # parameter names
+_EXPERT = re.compile(r"^((?:layers|mtp)\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")
 _HC = re.compile(r"^(.*?)hc_(attn|ffn|head)_(fn|base|scale)$")
+
+
+def hc_param_name(name: str) -> str:
+    """`<prefix>hc_{attn,ffn,head}_{fn,base,scale}` -> the HyperConnection / HyperHead parameter path."""
+    if m := _HC.match(name):
+        return f"{m.group(1)}hc_{m.group(2)}.{m.group(3)}"
+    return name
 
 
 def target_name(name: str) -> str:
     """Module path of a (non-expert) checkpoint tensor in DeepseekForCausalLM."""
     if name == "head.weight":
         return "lm_head.weight"
-    if m := _HC.match(name):
-        name = f"{m.group(1)}hc_{m.group(2)}.{m.group(3)}"
-    return "model." + name
+    return "model." + hc_param_name(name)
 
 
 def _decode(name: str, tensors: dict[str, torch.Tensor], block: int) -> torch.Tensor:
@@ -76,13 +81,13 @@ def load_checkpoint(model: nn.Module, arch: ArchConfig, weights: Iterable[tuple[
         logger.info("DeepInfer: text-only model, skipped %d vision-tower tensors", skipped["vision"])
     if skipped["draft"]:
         logger.info("DeepInfer: %d draft (mtp.*) tensors are left to the speculative drafter", skipped["draft"])
+    return write_tensors(model, tensors, arch.weight_block_size, target_name)
 
-    return _write(model, tensors, arch.weight_block_size, target_name)
 
 
 def load_draft(model: nn.Module, arch: ArchConfig, weights: Iterable[tuple[str, torch.Tensor]],
                param_name: Callable[[str], str]) -> set[str]:
-    """Validate the whole checkpoint and load its `mtp.0.*` tensors into the drafter `model`
+    """Validate the whole checkpoint and load its `mtp.0.*` tensors into the V4 MTP drafter `model`
     (`param_name`: checkpoint name -> parameter name, e.g. `spec_decode.mtp.draft_param_name`)."""
     found: dict[str, tuple[str, tuple[int, ...]]] = {}
     tensors: dict[str, torch.Tensor] = {}
@@ -91,25 +96,28 @@ def load_draft(model: nn.Module, arch: ArchConfig, weights: Iterable[tuple[str, 
         if name.startswith(f"{DRAFT_PREFIX}0."):
             tensors[name] = t
     _validate(arch, found, tensors)
-    return _write(model, tensors, arch.weight_block_size, param_name)
+    return write_tensors(model, tensors, arch.weight_block_size, param_name)
 
 
-def _write(model: nn.Module, tensors: dict[str, torch.Tensor], block: int, param_name: Callable[[str], str]) -> set[str]:
-    """Write checkpoint `tensors` into `model` (`param_name` maps a non-expert checkpoint name to its
-    parameter); every parameter must be written. Returns the parameter names written."""
+def write_tensors(model: nn.Module, tensors: dict[str, torch.Tensor], block: int,
+                  rename: Callable[[str], str]) -> set[str]:
+    """Write checkpoint `tensors` (validated) into `model`, whose parameter of checkpoint tensor `n` is
+    `rename(n)` (routed experts: `rename(<prefix>.ffn.experts.routed_experts)` is the fused-MoE layer);
+    every parameter of `model` must be written. Returns the parameter names written."""
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     loaded: set[str] = set()
     for name in tensors:
         if ".engram.embed." in name:  # the table stays FP8 (decoded per looked-up row)
-            buffers[param_name(name)].copy_(tensors[name])
+            buffers[rename(name)].copy_(tensors[name])
             continue
         if name.endswith(".scale") and name[: -len("scale")] + "weight" in tensors:
             continue  # consumed with its weight
-        dst = param_name(name)
-        if m := _EXPERT.match(dst):
-            loaded.update(_load_expert(model, m.group(1), int(m.group(2)), m.group(3), name, tensors, block))
+        if m := _EXPERT.match(name):
+            owner = rename(f"{m.group(1)}.routed_experts")
+            loaded.update(_load_expert(model, owner, int(m.group(2)), m.group(3), name, tensors, block))
             continue
+        dst = rename(name)
         if dst in params and params[dst].dtype == torch.float8_e4m3fn:  # packed FP8 linear: codes + E8M0 bytes
             scale_name, scale_dst = name[: -len("weight")] + "scale", dst[: -len("weight")] + "scale"
             _load(params[dst], tensors[name], name, dst)
@@ -138,14 +146,13 @@ def physical_slots(num_logical: int, num_physical: int, expert: int) -> list[int
     return [slot for slot, e in enumerate(initial) if e == expert]
 
 
-def _load_expert(model: nn.Module, prefix: str, expert: int, which: str, name: str,
+def _load_expert(model: nn.Module, owner: str, expert: int, which: str, name: str,
                  tensors: dict[str, torch.Tensor], block: int) -> list[str]:
-    """Checkpoint tensor `name` (w1/w2/w3 of logical expert `expert` of `prefix` = model.layers.L.ffn.experts) into
+    """Checkpoint tensor `name` (w1/w2/w3 of logical expert `expert` of the fused-MoE layer `owner`) into
     each of its physical slots local to this rank (EP keeps local slots, redundant replicas included)
     through the fused-MoE layer's weight loader, which also takes this rank's TP slice. Packed params
     (uint8: vLLM's MXFP4 method or the plugin's packed torch method) take the codes and E8M0 bytes as
     stored, others the dequantised value. Returns the parameter names written (none off this rank)."""
-    owner = f"{prefix}.routed_experts"
     experts = model.get_submodule(owner)
     slots = [s for s in physical_slots(experts.moe_config.num_logical_experts, experts.global_num_experts, expert)
              if experts._map_global_expert_id_to_local_expert_id(s) != -1]
@@ -189,4 +196,4 @@ def _validate(arch: ArchConfig, found: dict[str, tuple[str, tuple[int, ...]]],
             check_no_nan_codes(t, name)
 
 
-__all__ = ["InventoryError", "load_checkpoint", "load_draft", "target_name"]
+__all__ = ["InventoryError", "load_checkpoint", "load_draft", "target_name", "write_tensors"]

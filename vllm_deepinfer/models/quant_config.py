@@ -25,7 +25,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.utils import set_weight_attrs
 
 from vllm_deepinfer.moe.method import expert_method
-from vllm_deepinfer.registry import DRAFT_MODELS, MODEL_TYPES
+from vllm_deepinfer.registry import MODEL_TYPES
 
 NAME = "deepinfer_fp8"
 
@@ -59,8 +59,9 @@ class DeepInferFP8Config(QuantizationConfig):
     def override_quantization_method(cls, hf_quant_cfg: dict[str, Any], user_quant: str | None,
                                      hf_config: Any = None) -> str | None:
         model_type = getattr(hf_config, "model_type", None)
-        draft = model_type == "deepseek_mtp" and any(a in DRAFT_MODELS for a in getattr(hf_config, "architectures", None) or [])
-        if (model_type in MODEL_TYPES or draft) and hf_quant_cfg.get("quant_method") == "fp8" and user_quant in (None, "fp8", NAME):
+        if model_type == "deepseek_mtp" and hasattr(hf_config, "compress_ratios"):
+            model_type = "deepseek_v4"  # vLLM's draft-config rename of a V4/V4.1 target (speculative decoding)
+        if model_type in MODEL_TYPES and hf_quant_cfg.get("quant_method") == "fp8" and user_quant in (None, "fp8", NAME):
             return NAME
         return None
 

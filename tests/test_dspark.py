@@ -1,0 +1,313 @@
+"""DSpark drafter of V4.1 (issue 11 part B) on tiny real-format checkpoints.
+
+The target runs inside a vLLM engine (in-process, fp32); the drafter is built on that engine's config and
+target (`spec_decode.dspark.DSparkDrafter`), loads the checkpoint's `mtp.*` tensors, and its window caches
+get their own paged buffers and block tables here (the engine does not schedule the drafter yet).
+References: `tests/reference/dense_dspark.py` on `dense_v41.py` (independent of the package).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import engine, tiny_checkpoint
+
+W_MAX_LEN = 1024  # max_model_len of the test engines
+
+
+def _weights(ckpt: Path):
+    from safetensors import safe_open
+
+    for shard in sorted(set(json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"].values())):
+        with safe_open(str(ckpt / shard), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+class Session:
+    """An engine on `ckpt` with its target model, a loaded drafter and paged buffers for the drafter's caches."""
+
+    def __init__(self, llm, ckpt: Path, prefix: str):
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+        from vllm_deepinfer.spec_decode.dspark import DSparkDrafter
+
+        self.llm, self.vcfg = llm, llm.llm_engine.vllm_config
+        self.target = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.model
+        with set_current_vllm_config(self.vcfg):
+            self.drafter = DSparkDrafter(vllm_config=self.vcfg, prefix=prefix)
+        self.drafter.bind_target(self.target)
+        self.drafter.load_weights(_weights(ckpt))
+        process_weights_after_loading(self.drafter, self.vcfg.model_config, torch.device("cpu"))
+        self.arch = self.target.arch
+
+    def caches(self, n_reqs: int) -> dict:
+        """Fresh zeroed buffers for every stage's window cache: request r owns blocks r*nb+1 .. (r+1)*nb
+        (block 0 is the null block) -> the metadata per cache prefix."""
+        from vllm_deepinfer.attention.backend import PagedCacheMetadata
+
+        meta = {}
+        for stage in self.drafter.stages:
+            cache = stage.attn.window_cache
+            nb = -(-W_MAX_LEN // cache.block_size)
+            cache.bind_kv_cache(torch.zeros(n_reqs * nb + 1, 1, cache.rows_per_block, cache.width))
+            table = 1 + torch.arange(n_reqs * nb, dtype=torch.int32).view(n_reqs, nb)
+            meta[cache.prefix] = PagedCacheMetadata(table, torch.zeros(n_reqs + 1, dtype=torch.int32),
+                                                    torch.zeros(n_reqs, dtype=torch.int32), cache.block_size,
+                                                    n_reqs, 0, False, W_MAX_LEN)
+        return meta
+
+    @contextlib.contextmanager
+    def forward(self):
+        from vllm.forward_context import set_forward_context
+
+        with torch.inference_mode(), set_forward_context(None, self.vcfg):
+            yield
+
+    def draft(self, contexts: list[torch.Tensor], anchors: list[int], n: int, req: list[int] | None = None,
+              temperature=None, seeds=None):
+        """contexts[b]: features [P_b + 1, n_targets, D] of request b (or of request req[b], written once)."""
+        from vllm_deepinfer.spec_decode.dspark import DraftBatch
+
+        req = list(range(len(contexts))) if req is None else req
+        meta = self.caches(max(req) + 1)
+        with self.forward():
+            for r in sorted(set(req)):
+                f = max((c for c, q in zip(contexts, req) if q == r), key=len)
+                self.drafter.write_context(f, torch.full((f.shape[0],), r), torch.arange(f.shape[0]), meta)
+            block = DraftBatch(torch.tensor(req), torch.tensor([c.shape[0] for c in contexts]), n, meta)
+            return self.drafter.draft(torch.tensor(anchors), block, temperature, seeds)
+
+    def target_features(self, ids: list[int]) -> torch.Tensor:
+        """Our target's captured features [T, n_targets, D] of one prefill of `ids` (through the engine)."""
+        from vllm import SamplingParams
+
+        capture = self.target.enable_stream_capture(self.arch.dspark_target_layer_ids, 4096)
+        try:
+            self.llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, temperature=0),
+                              use_tqdm=False)
+        finally:
+            self.target.model.capture = None
+        assert capture.n_tokens == len(ids) and bool(capture.valid[: len(ids)].all())
+        return capture.features[: len(ids)].clone()
+
+
+@pytest.fixture(scope="module")
+def random_ckpt(ckpt_root):
+    return tiny_checkpoint(ckpt_root, "v4.1-flash")
+
+
+@pytest.fixture(scope="module")
+def session(random_ckpt):
+    with engine(random_ckpt, max_model_len=W_MAX_LEN) as llm:
+        yield Session(llm, random_ckpt, "draft_random")
+
+
+@pytest.fixture(scope="module")
+def reference(random_ckpt):
+    from tests.reference.dense_dspark import DenseDSpark
+    from tests.reference.dense_v41 import DenseV41
+
+    return DenseDSpark(DenseV41(random_ckpt))
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 8000, (n,), generator=g).tolist()
+
+
+# fp32 tolerances (measured maxima, printed with -s: features 8.6e-6, logits 2.9e-6, confidences 5.4e-7)
+FEATURE_TOL = dict(rtol=1e-5, atol=5e-5)
+LOGIT_TOL = dict(rtol=1e-5, atol=5e-5)
+CONF_TOL = dict(rtol=0, atol=5e-6)
+
+
+def test_target_capture_matches_reference(session, reference):
+    """The streams entering the target layers (stream mean), our engine's forward vs the dense reference."""
+    for n in (9, 130):
+        ids = _ids(n, n)
+        ours, ref = session.target_features(ids), reference.features(ids)
+        print(f"features T={n}: max |diff| {(ours - ref).abs().max():.2e}")
+        torch.testing.assert_close(ours, ref.to(ours.dtype), **FEATURE_TOL)
+
+
+@pytest.mark.parametrize("lens,n", [((1,), 5), ((37,), 5), ((150, 37, 1), 5), ((129, 4), 3)])
+def test_draft_matches_reference(session, reference, lens, n):
+    """Logits (Markov-corrected), confidences and greedy tokens of one block per request, batched, vs the
+    reference run per request; contexts shorter than, equal to and longer than the window (W = 128)."""
+    contexts = [reference.features(_ids(p, p)) for p in lens]
+    anchors = _ids(len(lens), 99)
+    got = session.draft(contexts, anchors, n)
+    assert got.tokens.shape == (len(lens), n) and got.logits.shape == (len(lens), n, session.arch.vocab_size)
+    for b, (f, a) in enumerate(zip(contexts, anchors)):
+        want = reference.draft(f, a, n)
+        print(f"P+1={f.shape[0]} n={n}: logits max |diff| {(got.logits[b] - want['logits']).abs().max():.2e}, "
+              f"confidence {(got.confidence[b] - want['confidence']).abs().max():.2e}")
+        torch.testing.assert_close(got.logits[b], want["logits"].float(), **LOGIT_TOL)
+        torch.testing.assert_close(got.confidence[b], want["confidence"].float(), **CONF_TOL)
+        assert got.tokens[b].tolist() == want["tokens"]
+
+
+def test_seeded_draft_is_batch_independent(session, reference):
+    """Seeded drafts are a function of (seed, position, logits): the same request drafts the same tokens
+    alone and in a batch; T = 0 rows stay greedy; different seeds draw differently."""
+    contexts = [reference.features(_ids(p, p)) for p in (20, 45)]
+    anchors = _ids(2, 7)
+    t1 = torch.tensor([1.0, 0.0])
+    both = session.draft(contexts, anchors, 5, temperature=t1, seeds=torch.tensor([11, 12]))
+    alone = session.draft(contexts[:1], anchors[:1], 5, temperature=t1[:1], seeds=torch.tensor([11]))
+    greedy = session.draft(contexts, anchors, 5)
+    assert both.tokens[0].tolist() == alone.tokens[0].tolist()
+    assert both.tokens[1].tolist() == greedy.tokens[1].tolist()
+    probs = both.probs(t1)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(2, 5))
+    assert probs[1].argmax(-1).tolist() == greedy.tokens[1].tolist() and bool((probs[1].max(-1).values == 1).all())
+    other = session.draft(contexts[:1], anchors[:1], 5, temperature=t1[:1], seeds=torch.tensor([12345]))
+    assert other.tokens[0].tolist() != alone.tokens[0].tolist()
+
+
+def test_heads_match_vllm_in_tree_pieces(session):
+    """vLLM's in-tree DSpark stages need CUDA kernels (tilelang mHC, fused KV-RoPE insert); its Markov and
+    confidence heads (`qwen3_dspark.DSparkMarkovHead` / `DSparkConfidenceHead`, used by the V4.1 DSpark
+    model) are plain torch: with our checkpoint's weights they give our heads' values."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+    from vllm.model_executor.models.qwen3_dspark import DSparkConfidenceHead, DSparkMarkovHead
+
+    a, ours = session.arch, session.drafter
+    with set_current_vllm_config(session.vcfg):
+        markov = DSparkMarkovHead(a.vocab_size, a.vocab_size, a.dspark_markov_rank, prefix="intree.markov")
+        conf = DSparkConfidenceHead(a.hidden_size + a.dspark_markov_rank, prefix="intree.confidence")
+        processor = LogitsProcessor(a.vocab_size)
+    markov.markov_w1.weight.data.copy_(ours.markov_head.embed.weight)
+    markov.markov_w2.weight.data.copy_(ours.markov_head.head.weight)
+    conf.proj.weight.data.copy_(ours.confidence_head.proj.weight)
+    for module in (markov, conf):  # vLLM's CPU linears repack here
+        process_weights_after_loading(module, session.vcfg.model_config, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    prev = torch.randint(0, a.vocab_size, (7,), generator=g)
+    hidden = torch.randn(7, a.hidden_size, generator=g)
+    with session.forward():
+        psi = ours.markov_head.embed(prev)
+        torch.testing.assert_close(markov.embed(prev), psi, rtol=0, atol=0)
+        torch.testing.assert_close(markov.bias(psi, processor), ours.markov_head.head(psi),
+                                   rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(torch.sigmoid(conf(hidden, psi)), ours.confidence_head(hidden, psi),
+                                   rtol=1e-6, atol=1e-7)
+
+# Tests below start their own engines; an engine's exit tears down the distributed state that the module's
+# `session` engine uses, so every test on `session` comes before them.
+
+def _acceptance(tokens: torch.Tensor, truth: list[list[int]]) -> float:
+    """Mean accepted prefix length / N over the rows."""
+    n, total = tokens.shape[1], 0
+    for row, want in zip(tokens.tolist(), truth):
+        k = 0
+        while k < n and row[k] == want[k]:
+            k += 1
+        total += k
+    return total / (n * len(truth))
+
+
+@pytest.mark.parametrize("kind", ["reproduce", "noise"])
+def test_checkpoint_drafters(ckpt_root, kind):
+    """`make_checkpoint(..., drafter=kind)`: on our target's greedy continuation, drafting after every
+    anchor of it, the reproducing drafter's tokens are that continuation (acceptance ~1, c ~ 1) and the
+    noise drafter's never are (acceptance ~0, c ~ 0)."""
+    from vllm import SamplingParams
+
+    from vllm_deepinfer.tools.make_checkpoint import make_checkpoint
+
+    ckpt = make_checkpoint("v4.1-flash", "tiny", ckpt_root / f"v4.1-drafter-{kind}", seed=0, drafter=kind,
+                           progress=False)
+    n = 5
+    with engine(ckpt, max_model_len=W_MAX_LEN) as llm:
+        s = Session(llm, ckpt, f"draft_{kind}")
+        prompt = _ids(40, 3)
+        out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=48, temperature=0),
+                           use_tqdm=False)
+        seq = prompt + list(out[0].outputs[0].token_ids)
+        features = s.target_features(seq)
+        anchors = range(len(prompt), len(seq) - n - 1)       # anchor at position p: context 0..p-1
+        draft = s.draft([features[:p] for p in anchors], [seq[p] for p in anchors], n, req=[0] * len(anchors))
+    acc = _acceptance(draft.tokens, [seq[p + 1:p + 1 + n] for p in anchors])
+    conf = draft.confidence.mean().item()
+    print(f"{kind}: acceptance {acc:.3f} over {len(anchors)} blocks of {n}, mean confidence {conf:.4f}")
+    if kind == "reproduce":
+        assert acc >= 0.95 and conf > 0.99
+    else:
+        assert acc <= 0.05 and conf < 0.01
+
+
+SPEC = {"method": "dspark", "num_speculative_tokens": 5}
+
+
+def _generate(llm, prompts: list[list[int]], n: int) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=n, temperature=0),
+                        use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _spec_counters(llm) -> tuple[int, int]:
+    m = {x.name: x for x in llm.get_metrics()}
+    return m["vllm:spec_decode_num_draft_tokens"].value, m["vllm:spec_decode_num_accepted_tokens"].value
+
+
+def test_engine_dspark_reproduce_is_lossless_and_accepted(ckpt_root):
+    """vLLM's V1 runner with `method="dspark"` (our proposer): greedy tokens equal speculation off on a
+    mixed-length batch with chunked prefill, and the reproducing drafter's drafts are all accepted."""
+    from vllm_deepinfer.tools.make_checkpoint import make_checkpoint
+
+    ckpt = make_checkpoint("v4.1-flash", "tiny", ckpt_root / "v4.1-drafter-reproduce", seed=0, drafter="reproduce",
+                           progress=False)
+    prompts = [_ids(n, n) for n in (7, 40, 150)]
+    chunked = dict(max_model_len=W_MAX_LEN, max_num_batched_tokens=64, enable_chunked_prefill=True)
+    with engine(ckpt, speculative_config=SPEC, disable_log_stats=False, **chunked) as llm:
+        spec = _generate(llm, prompts, 24)
+        drafted, accepted = _spec_counters(llm)
+    with engine(ckpt, **chunked) as llm:
+        base = _generate(llm, prompts, 24)
+    print(f"reproduce in vLLM: {accepted}/{drafted} draft tokens accepted")
+    assert spec == base
+    assert drafted > 0 and accepted / drafted >= 0.95
+
+
+def test_engine_dspark_drafts_match_reference(random_ckpt, reference):
+    """Random drafter in vLLM (drafts rejected every step, chunked prefill): every block our proposer
+    drafts equals the dense reference's greedy block for the same context and anchor, and the greedy
+    tokens equal speculation off."""
+    chunked = dict(max_model_len=W_MAX_LEN, max_num_batched_tokens=64, enable_chunked_prefill=True)
+    prompt = _ids(150, 5)
+    records = []
+    with engine(random_ckpt, speculative_config=SPEC, **chunked) as llm:
+        proposer = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.drafter
+        propose = proposer.propose
+
+        def recording(**kw):
+            tokens = propose(**kw)
+            cm, rejected = kw["common_attn_metadata"], kw["num_rejected_tokens_gpu"]
+            pos = int(cm.seq_lens[0]) - (0 if rejected is None else int(rejected[0]))
+            records.append((pos, int(kw["next_token_ids"][0]), tokens[0].tolist()))
+            return tokens
+
+        proposer.propose = recording
+        spec = _generate(llm, [prompt], 12)[0]
+    with engine(random_ckpt, **chunked) as llm:
+        assert spec == _generate(llm, [prompt], 12)[0]
+    seq = prompt + spec
+    features = reference.features(seq)
+    done = [r for r in records if r[0] >= len(prompt)]  # the last prefill chunk's and every decode step's block
+    assert len(done) >= len(spec) - 1
+    for pos, anchor, tokens in done:
+        assert anchor == seq[pos]
+        assert tokens == reference.draft(features[:pos], anchor, 5)["tokens"], pos
+

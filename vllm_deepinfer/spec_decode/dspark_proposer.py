@@ -1,0 +1,118 @@
+"""DeepInfer's DSpark drafter inside vLLM's V1 speculative decoding (the runner on CPU).
+
+vLLM 0.32 runs `method="dspark"` only in its V2 runner; on V1 the runner would build an `EagleProposer`
+(`use_eagle()` includes dspark), whose one-token autoregressive loop cannot drive a block drafter.
+`patches/dspark_v1.py` makes V1 accept the method for DeepInfer's V4.1 drafter and puts this proposer in
+the runner's place. It keeps the base class's input preparation (`prepare_next_token_ids_padded`,
+`prepare_inputs_padded`), draft KV-cache group and metadata builders, and replaces the drafting:
+
+    target forward  -> StreamCapture: features [T, 3, D] of the step's tokens (models/capture.py)
+    propose         -> context KV of every step token (rejected ones too: they sit at positions >= the anchor,
+                       which no block reads, and are overwritten when those positions are processed again),
+                       then one block of N = num_speculative_tokens per request after its anchor
+                       (next_token_ids) at position seq_len - rejected.
+
+Drafts are greedy (argmax of the Markov-corrected logits): a deterministic proposal, so V1's rejection
+sampler (no draft probabilities) stays exact for any target sampling. Not covered: the draft model's
+CUDA graphs (dummy runs do nothing), multimodal inputs, `disable_padded_drafter_batch`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+import dataclasses
+
+from vllm.config import VllmConfig, get_layers_from_vllm_config
+from vllm.forward_context import set_forward_context
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.spec_decode.eagle import EagleProposer
+from vllm.v1.worker.utils import AttentionGroup
+
+from vllm_deepinfer.spec_decode.dspark import DraftBatch, DSparkDrafter
+
+
+class DSparkProposer(EagleProposer):
+    """V1 proposer of `DSparkDrafter` (module docstring).
+
+    vLLM splits KV-cache groups to equal layer counts, so the three stages' window caches may land in
+    different groups (the base class asserts one group): each group gets its own metadata builder, and
+    the block tables of groups other than the one the runner prepares for the drafter (`kv_cache_gid`)
+    are read from the runner's input batch."""
+
+    def __init__(self, vllm_config: VllmConfig, device: torch.device, runner):
+        super().__init__(vllm_config, device, runner)
+        if self.speculative_config.disable_padded_drafter_batch:
+            # that path hands only the accepted tokens, which no longer line up with the capture's rows
+            raise NotImplementedError("DeepInfer DSpark needs the padded drafter batch "
+                                      "(disable_padded_drafter_batch=False)")
+        self.runner = runner
+        # c_k of the last drafts, [num_reqs, N] fp32 in the runner's batch order (for draft-length scheduling)
+        self.last_confidence: torch.Tensor | None = None
+
+    def load_model(self, target_model: nn.Module) -> None:
+        """Build and load the drafter (vLLM's loader, architecture `DSparkV41DraftModel`), share the target's
+        embedding and head, and install the target's stream capture."""
+        target_layers = set(get_layers_from_vllm_config(self.vllm_config, AttentionLayerBase))
+        self.model: DSparkDrafter = self._get_model()
+        layers = get_layers_from_vllm_config(self.vllm_config, AttentionLayerBase)
+        self._draft_attn_layer_names = set(layers) - target_layers
+        self.model.bind_target(target_model)
+        max_tokens = self.vllm_config.scheduler_config.max_num_batched_tokens
+        self.capture = target_model.enable_stream_capture(self.model.target_layers, max_tokens)
+
+    def initialize_attn_backend(self, kv_cache_config: KVCacheConfig, kernel_block_sizes: list[int] | None = None) -> None:
+        """One `AttentionGroup` (our paged-cache builder) per KV-cache group holding drafter caches."""
+        layers = get_layers_from_vllm_config(self.vllm_config, AttentionLayerBase)
+        self.draft_attn_groups = []
+        for gid, group in enumerate(kv_cache_config.kv_cache_groups):
+            names = sorted(self._draft_attn_layer_names & set(group.layer_names))
+            if names:
+                attn_group = AttentionGroup(backend=layers[names[0]].get_attn_backend(), layer_names=names,
+                                            kv_cache_spec=group.kv_cache_spec, kv_cache_group_id=gid)
+                attn_group.create_metadata_builders(self.vllm_config, self.device)
+                self.draft_attn_groups.append(attn_group)
+        self.kv_cache_gid = self.draft_attn_groups[0].kv_cache_group_id
+        self.block_size = self.draft_attn_groups[0].kv_cache_spec.block_size
+
+    def _metadata(self, cm: CommonAttentionMetadata) -> dict:
+        """Per drafter cache layer: its group's metadata for the step described by `cm`."""
+        out = {}
+        for group in self.draft_attn_groups:
+            gid = group.kv_cache_group_id
+            if gid != self.kv_cache_gid:
+                table = self.runner.input_batch.block_table[gid].get_device_tensor(cm.num_reqs)
+                cm = dataclasses.replace(cm, block_table_tensor=table)
+            meta = group.build_metadata(cm)
+            out.update(dict.fromkeys(group.layer_names, meta))
+        return out
+
+    def dummy_run(self, num_tokens: int, use_cudagraphs: bool = True, is_graph_capturing: bool = False,
+                  slot_mappings=None) -> None:
+        """Nothing: the drafter's caches are unbound during vLLM's profiling run, and it captures no graphs."""
+
+    def take_last_draft_probs(self) -> None:
+        return None  # greedy drafts: a deterministic proposal
+
+    def propose(self, num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
+                next_token_ids, token_indices_to_sample, common_attn_metadata, sampling_metadata,
+                mm_embed_inputs=None, num_rejected_tokens_gpu=None, slot_mappings=None) -> torch.Tensor:
+        """-> draft token ids [num_reqs, num_speculative_tokens] (int64)."""
+        cm = common_attn_metadata
+        b, t, dev = cm.num_reqs, target_token_ids.shape[0], next_token_ids.device
+        counts = (cm.query_start_loc_cpu[1:b + 1] - cm.query_start_loc_cpu[:b]).numpy()
+        req = torch.from_numpy(np.repeat(np.arange(b), counts)).to(dev)
+        anchor_pos = cm.seq_lens[:b].long()
+        if num_rejected_tokens_gpu is not None:
+            anchor_pos = anchor_pos - num_rejected_tokens_gpu[:b].long()
+        metadata = self._metadata(cm)
+        with torch.inference_mode(), set_forward_context(metadata, self.vllm_config, num_tokens=t):
+            self.model.write_context(self.capture.features[:t], req, target_positions[:t].long(), metadata,
+                                     keep=self.capture.valid[:t])
+            block = DraftBatch(torch.arange(b, device=dev), anchor_pos, num_speculative_tokens, metadata)
+            draft = self.model.draft(next_token_ids[:b].long(), block)
+        self.last_confidence = draft.confidence
+        return draft.tokens
