@@ -166,13 +166,13 @@ class DeepseekModel(nn.Module):
         # V4 MTP speculation: each step's pre-collapse streams [max_num_batched_tokens, h*D] for the drafter
         # (`DeepseekV4ForCausalLM.enable_mtp_states`); None without it.
         self.mtp_states: torch.Tensor | None = None
+        # DSpark speculation: stream means entering some layers (context features); None = off.
+        self.capture: StreamCapture | None = None
 
     @property
     def embed_tokens(self) -> VocabParallelEmbedding:
         """The embedding under the name vLLM's draft proposer looks up (`_maybe_share_embeddings`)."""
         return self.embed
-        # Speculative decoding: stream means entering some layers (DSpark context features); None = off.
-        self.capture: StreamCapture | None = None
 
     def _wire_shared_caches(self) -> None:
         """V4.1 KV and index-key sharing: consumers read their sources' caches."""
