@@ -262,23 +262,38 @@ def _spec_counters(llm) -> tuple[int, int]:
     return m["vllm:spec_decode_num_draft_tokens"].value, m["vllm:spec_decode_num_accepted_tokens"].value
 
 
-def test_engine_dspark_reproduce_is_lossless_and_accepted(ckpt_root):
-    """vLLM's V1 runner with `method="dspark"` (our proposer): greedy tokens equal speculation off on a
-    mixed-length batch with chunked prefill, and the reproducing drafter's drafts are all accepted."""
+def _policy(llm):
+    """The DSpark drafter's draft-length policy inside the in-process engine."""
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    return runner.drafter.model.draft_policy
+
+
+def test_engine_dspark_varlen_lossless_max_and_min(ckpt_root, monkeypatch):
+    """vLLM's V1 runner with `method="dspark"` (our proposer) and confidence-scheduled verification
+    (DEEPINFER_ENABLE_MTP_VARLEN=1), mixed-length batch, chunked prefill: greedy tokens equal speculation off
+    for both checkpoint drafters (same target); the reproducing drafter (c ~ 0.9997) is accepted and verified
+    at the full block length, the noise drafter (c ~ 0.0003) at length 0 (vLLM counts no draft tokens)."""
     from vllm_deepinfer.tools.make_checkpoint import make_checkpoint
 
-    ckpt = make_checkpoint("v4.1-flash", "tiny", ckpt_root / "v4.1-drafter-reproduce", seed=0, drafter="reproduce",
-                           progress=False)
+    ckpts = {kind: make_checkpoint("v4.1-flash", "tiny", ckpt_root / f"v4.1-drafter-{kind}", seed=0, drafter=kind,
+                                   progress=False) for kind in ("reproduce", "noise")}
     prompts = [_ids(n, n) for n in (7, 40, 150)]
     chunked = dict(max_model_len=W_MAX_LEN, max_num_batched_tokens=64, enable_chunked_prefill=True)
-    with engine(ckpt, speculative_config=SPEC, disable_log_stats=False, **chunked) as llm:
-        spec = _generate(llm, prompts, 24)
-        drafted, accepted = _spec_counters(llm)
-    with engine(ckpt, **chunked) as llm:
+    with engine(ckpts["reproduce"], **chunked) as llm:
         base = _generate(llm, prompts, 24)
-    print(f"reproduce in vLLM: {accepted}/{drafted} draft tokens accepted")
-    assert spec == base
-    assert drafted > 0 and accepted / drafted >= 0.95
+    monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
+    n = SPEC["num_speculative_tokens"]
+    for kind, ckpt in ckpts.items():
+        with engine(ckpt, speculative_config=SPEC, disable_log_stats=False, **chunked) as llm:
+            assert _generate(llm, prompts, 24) == base, kind
+            drafted, accepted = _spec_counters(llm)
+            counts = _policy(llm).length_counts
+        print(f"{kind} in vLLM, varlen: {accepted}/{drafted} draft tokens accepted, lengths chosen {counts}")
+        assert sum(counts) > 0
+        if kind == "reproduce":
+            assert counts[n] == sum(counts) and drafted > 0 and accepted / drafted >= 0.95
+        else:
+            assert counts[0] == sum(counts) and drafted == 0
 
 
 def test_engine_dspark_drafts_match_reference(random_ckpt, reference):

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from vllm_deepinfer.serving import settings
 
 
-def test_speculation_settings_map_to_speculative_config():
+def test_speculation_settings_map_to_speculative_config(tmp_path):
     mtp = lambda n: {"method": "mtp", "num_speculative_tokens": n}  # noqa: E731
     assert settings.speculative_config_from_env({"DEEPINFER_USE_NEXTN_DECODE": "3"}) == mtp(3)
     assert settings.speculative_config_from_env({"DEEPINFER_ENABLE_MTP_VARLEN": "1"}) == mtp(5)
@@ -17,6 +19,11 @@ def test_speculation_settings_map_to_speculative_config():
         assert settings.speculative_config_from_env({"DEEPINFER_USE_NEXTN_DECODE": off}) is None
         assert settings.speculative_config_from_env({"DEEPINFER_ENABLE_MTP_VARLEN": off}) is None
         settings.check({"DEEPINFER_USE_NEXTN_DECODE": off, "DEEPINFER_ENABLE_MTP_VARLEN": off}, platform_device="cpu")
+    for model_type, method in (("deepseek_v41", "dspark"), ("deepseek_v4", "mtp")):
+        (tmp_path / model_type).mkdir()
+        (tmp_path / model_type / "config.json").write_text(json.dumps({"model_type": model_type}))
+        assert settings.speculative_config_from_env({"DEEPINFER_USE_NEXTN_DECODE": "4"}, str(tmp_path / model_type)) \
+            == {"method": method, "num_speculative_tokens": 4}
     assert settings.check({"DEEPINFER_ENABLE_MTP_VARLEN": "1"}, platform_device="cpu") == [
         "DEEPINFER_ENABLE_MTP_VARLEN: confidence-scheduled verification"]
     with pytest.raises(settings.DeepInferSettingError, match="positive number of draft tokens"):

@@ -16,11 +16,16 @@ import torch
 
 from tests.conftest import engine, recorded_preemptions, tiny_checkpoint
 from tests.fidelity import prompt_ids
-from vllm_deepinfer.spec_decode.schedule import VerifyCost, choose_lengths, draft_survival
+from vllm_deepinfer.spec_decode.schedule import VerifyCost, choose_lengths, draft_survival, no_slot_pays
 
+# Module-scoped engines live until the module ends, and a newer engine in the process takes over vLLM's global
+# state (forward context, distributed groups): each test uses only the newest engine, so the tests are ordered
+# by the engine they use (reproducing drafter, then noise drafter, then the tests that start their own).
 LENGTHS = (5, 37, 130, 301)
 N_NEW = 24
-PREEMPT_BLOCKS, PREEMPT_NEW = 80, 160   # as tests/test_scheduling.py: six decodes of ~60-100-token prompts do not fit
+# an 80-block pool (drafter caches included) holds two ~70-token prompts at admission but not two of them
+# grown by 300 tokens: the scheduler admits two of the three and must preempt one as they grow
+PREEMPT_BLOCKS, PREEMPT_PROMPTS, PREEMPT_NEW = 80, 3, 300
 K = 3
 
 
@@ -66,7 +71,7 @@ def std(ckpt_root):
     """(model dir, mixed prompts, preemption prompts, greedy tokens without speculation for both)."""
     model_dir = tiny_checkpoint(ckpt_root, "v4-flash", 0, index_topk=16)
     mixed = [prompt_ids(model_dir, n, i) for i, n in enumerate(LENGTHS)]
-    preempt = [prompt_ids(model_dir, 60 + 7 * i, i) for i in range(6)]
+    preempt = [prompt_ids(model_dir, 60 + 7 * i, i) for i in range(PREEMPT_PROMPTS)]
     with engine(model_dir) as llm:
         return model_dir, mixed, preempt, _generate(llm, mixed), _generate(llm, preempt, PREEMPT_NEW)
 
@@ -79,7 +84,7 @@ def test_lossless_k1_mixed_batch(std):
 
 
 def test_lossless_k3_chunked_prefill_and_preemption(std):
-    """K=3 on a KV pool too small for six long decodes (preemption + recompute) with 128-token chunks; then
+    """K=3 on a KV pool too small for the long decodes (preemption + recompute) with 128-token chunks; then
     varlen with a cost model under which the random drafter's drafts are trimmed to a partial length."""
     model_dir, mixed, preempt, ref, ref_preempt = std
     with engine(model_dir, speculative_config=_mtp(K), num_gpu_blocks_override=PREEMPT_BLOCKS, max_num_seqs=6,
@@ -132,37 +137,6 @@ def test_reproducing_drafter_accepted_and_max_length(reproduce, reproduce_llm):
     assert sum(policy.length_counts) > 0 and policy.length_counts[K] == sum(policy.length_counts), policy.length_counts
 
 
-@pytest.fixture(scope="module")
-def noise_llm(ckpt_root):
-    model_dir = tiny_checkpoint(ckpt_root, "v4-flash", 0, drafter="noise")
-    mixed = [prompt_ids(model_dir, n, i) for i, n in enumerate(LENGTHS)]
-    with engine(model_dir, speculative_config=_mtp(K), disable_log_stats=False) as llm:
-        yield llm, mixed
-
-
-def test_noise_drafter_rejected(noise_llm):
-    llm, mixed = noise_llm
-    policy = _policy(llm)
-    policy.varlen = False  # fixed length (the default): every draft verified
-    before = _spec_counts(llm)
-    _generate(llm, mixed)
-    stats = _delta(_spec_counts(llm), before)
-    assert stats["num_draft_tokens"] >= K * len(mixed) * (N_NEW // 2), stats
-    assert stats["num_accepted_tokens"] / stats["num_draft_tokens"] < 0.05, stats
-
-
-def test_noise_drafter_min_length(noise_llm):
-    llm, mixed = noise_llm
-    policy = _policy(llm)
-    policy.varlen = True
-    counts = list(policy.length_counts)
-    before = _spec_counts(llm)
-    _generate(llm, mixed)
-    chosen = [a - b for a, b in zip(policy.length_counts, counts)]
-    assert sum(chosen) > 0 and chosen[0] == sum(chosen), chosen
-    assert _delta(_spec_counts(llm), before).get("num_draft_tokens", 0) == 0
-
-
 # ----------------------------------------------------------------------------- seeded sampling
 N_SAMPLES = 256
 POSITIONS = (1, 2, 3)    # generated-token positions after the first (the first comes from the prompt's logits)
@@ -195,6 +169,66 @@ def test_seeded_sampling_distribution(reproduce, reproduce_llm):
         assert len(set(a)) >= 2, f"position {pos}: no randomness to test"
         p = chi2_homogeneity_p(a, b)
         assert p > ALPHA / len(POSITIONS), f"position {pos}: p = {p:.2e}"
+
+
+@pytest.fixture(scope="module")
+def noise_llm(ckpt_root):
+    model_dir = tiny_checkpoint(ckpt_root, "v4-flash", 0, drafter="noise")
+    mixed = [prompt_ids(model_dir, n, i) for i, n in enumerate(LENGTHS)]
+    with engine(model_dir, speculative_config=_mtp(K), disable_log_stats=False) as llm:
+        yield llm, mixed
+
+
+def test_noise_drafter_rejected(noise_llm):
+    llm, mixed = noise_llm
+    policy = _policy(llm)
+    policy.varlen = False  # fixed length (the default): every draft verified
+    before = _spec_counts(llm)
+    _generate(llm, mixed)
+    stats = _delta(_spec_counts(llm), before)
+    assert stats["num_draft_tokens"] >= K * len(mixed) * (N_NEW // 2), stats
+    assert stats["num_accepted_tokens"] / stats["num_draft_tokens"] < 0.05, stats
+
+
+def test_noise_drafter_min_length(noise_llm):
+    llm, mixed = noise_llm
+    policy = _policy(llm)
+    policy.varlen = True
+    counts, steps, proposals = list(policy.length_counts), policy.draft_steps, policy.steps
+    before = _spec_counts(llm)
+    _generate(llm, mixed)
+    chosen = [a - b for a, b in zip(policy.length_counts, counts)]
+    assert sum(chosen) > 0 and chosen[0] == sum(chosen), chosen
+    assert _delta(_spec_counts(llm), before).get("num_draft_tokens", 0) == 0
+    # no first draft pays, so the drafter stops after its first step (1 forward per proposal, not K)
+    assert policy.draft_steps - steps == policy.steps - proposals > 0
+
+
+def test_invariant_mode_seeded_speculation_equals_no_speculation(reproduce, monkeypatch):
+    """DEEPINFER_BATCH_INVARIANT=1 with K=3 speculation: seeded requests (temperature 2; temperature 1 with top-k
+    20) and greedy ones, batched, get exactly the tokens of invariant mode without speculation, and the first
+    request alone the same again (exact-match verification against the seeded draws,
+    `patches/seeded_sampler.py`); the reproducing drafter's coupled drafts are accepted."""
+    from vllm import SamplingParams
+
+    model_dir, mixed = reproduce[0], reproduce[1]
+    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
+    n = 12
+    params = ([SamplingParams(temperature=2.0, seed=s, max_tokens=n, ignore_eos=True) for s in range(6)]
+              + [SamplingParams(temperature=1.0, top_k=20, seed=7, max_tokens=n, ignore_eos=True)]
+              + [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)] * 2)
+    prompts = [list(range(100, 140))] * 7 + mixed[1:3]
+    with engine(model_dir, max_num_seqs=16) as llm:
+        off = _generate(llm, prompts, params=params)
+    with engine(model_dir, speculative_config=_mtp(K), disable_log_stats=False, max_num_seqs=16) as llm:
+        on = _generate(llm, prompts, params=params)
+        stats = _spec_counts(llm)
+        solo = _generate(llm, prompts[:1], params=params[:1])
+    print(f"invariant mode, K={K}: {stats['num_accepted_tokens']}/{stats['num_draft_tokens']} draft tokens accepted")
+    assert on == off
+    assert solo == off[:1]
+    # the reproducing drafter's drafts, drawn with the target's noise (coupled), are the target's draws
+    assert stats["num_accepted_tokens"] > 0.9 * stats["num_draft_tokens"] > 0, stats
 
 
 def chi2_homogeneity_p(a: list[int], b: list[int], min_pooled: int = 10) -> float:
@@ -255,6 +289,24 @@ def test_choose_lengths_maximises_expected_rate():
             return (3 + sum(float(s[r, :k].sum()) for r, k in enumerate(ks))) / cost.step_time(3 + sum(ks))
         best = max(rate(ks) for ks in itertools.product(range(K + 1), repeat=3))
         assert math.isclose(rate(choose_lengths(s, 3, cost).tolist()), best, rel_tol=1e-9)
+
+
+def test_no_slot_pays_bounds_the_chosen_lengths():
+    """Where `no_slot_pays` holds for a position (the MTP loop's stop), `choose_lengths` verifies none at or
+    after it (the stop changes no chosen length)."""
+    cost = VerifyCost()
+    g = torch.Generator().manual_seed(1)
+    stops = 0
+    for _ in range(200):
+        b = int(torch.randint(1, 65, (1,), generator=g))
+        s = draft_survival(torch.rand(b, K, generator=g) ** 4)
+        lengths = choose_lengths(s, b, cost)
+        for j in range(K):
+            if no_slot_pays(s[:, j], b, cost):
+                stops += 1
+                assert int(lengths.max()) <= j
+                break
+    assert 20 < stops < 200, stops   # both outcomes exercised
 
 
 # ----------------------------------------------------------------------------- vllm serve

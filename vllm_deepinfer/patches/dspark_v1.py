@@ -27,13 +27,13 @@ DRAFT_ARCH = "DSparkV41DraftModel"
 
 def deepinfer_dspark(vllm_config) -> bool:
     """Whether `vllm_config` runs DSpark with DeepInfer's target and drafter."""
-    from vllm_deepinfer.registry import MODELS, is_deepinfer_model
+    from vllm_deepinfer.registry import DRAFT_MODELS, is_deepinfer_model
 
     spec = vllm_config.speculative_config
     if spec is None or spec.method != "dspark" or spec.draft_model_config is None:
         return False
     archs = spec.draft_model_config.hf_config.architectures or []
-    return DRAFT_ARCH in archs and DRAFT_ARCH in MODELS and is_deepinfer_model(vllm_config.model_config)
+    return DRAFT_ARCH in archs and DRAFT_ARCH in DRAFT_MODELS and is_deepinfer_model(vllm_config.model_config)
 
 
 def apply() -> None:

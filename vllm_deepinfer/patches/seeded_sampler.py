@@ -11,11 +11,23 @@ Hook: `GPUModelRunner._sample` (V1, inherited by `CPUModelRunner`). When batch-i
 (`vllm_deepinfer.ops.invariant_requested`) the wrapper installs a `SeededSampler` as the runner's
 `sampler.topk_topp_sampler` once, gives it each row's (seed, position of the token being drawn:
 `input_batch.num_tokens_no_spec`) and empties `input_batch.generators` (the seeds are read from
-the requests; no generator is used or rewound). Off, the original method runs untouched. Speculative
-decoding (rejection sampler) is not covered yet: it is refused in invariant mode.
+the requests; no generator is used or rewound). Off, the original method runs untouched.
+
+Speculative decoding (invariant mode): vLLM's rejection sampler draws its accept/reject uniforms and
+recovered tokens from generators, so a request's tokens would depend on the drafts, hence on the batch.
+Instead every verified row r of a request, predicting position N + r (N = `num_tokens_no_spec`), gets the
+token the non-speculative seeded sampler would draw there: Gumbel-max over its processed logits with the
+noise of (seed, N + r) (`seeded_row_logits`, in place of vLLM's `apply_sampling_constraints`); verification is
+then exact match (vLLM's greedy kernel, `rejection_sample` with all rows greedy), and the bonus token is the
+runner's sampler keyed by (seed, N + k). A draft is accepted iff it equals the seeded sample, so the output
+is the non-speculative seeded output token for token, whatever the drafts, the draft lengths or the batch.
+To keep acceptance up, the MTP drafter draws its drafts with the same noise (`DraftLengthPolicy.coupled_tokens`:
+the step's seeds are handed to its policy here).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -24,12 +36,66 @@ from vllm_deepinfer.log import get_logger
 logger = get_logger(__name__)
 
 
+#: (seeds [T], positions [T]) of the verified rows of the current speculative step, set
+#: around the rejection sampler call in invariant mode; None otherwise.
+_ROW_KEYS: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def seeded_row_logits(logits: torch.Tensor, cu_num_draft_tokens: torch.Tensor, sampling_metadata) -> torch.Tensor:
+    """Verified rows' logits [T, V] (fp32, logits processors applied) -> logits whose argmax is the row's seeded
+    draw (`serving.seeded_sampling.seeded_logits` on the rows of random requests; greedy rows stay)."""
+    from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
+
+    from vllm_deepinfer.serving.seeded_sampling import seeded_logits
+
+    seeds, pos = _ROW_KEYS
+    n = logits.shape[0]
+    if sampling_metadata.all_greedy or n == 0:
+        return logits
+    temperature = expand_batch_to_tokens(sampling_metadata.temperature, cu_num_draft_tokens, n)
+    rows = torch.nonzero(temperature > 0).flatten()   # greedy rows carry GREEDY_TEMPERATURE = 0
+    if rows.numel() == 0:
+        return logits
+    k, p = (None if x is None else expand_batch_to_tokens(x, cu_num_draft_tokens, n)[rows]
+            for x in (sampling_metadata.top_k, sampling_metadata.top_p))
+    cpu_rows = rows.cpu()
+    logits[rows] = seeded_logits(logits[rows], temperature[rows], k, p, seeds[cpu_rows], pos[cpu_rows])
+    return logits
+
+
+def _spec_row_keys(runner, meta, seeds: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """(seeds, positions) [T] of the verified rows (request-major, as `meta.draft_token_ids`) and the
+    bonus positions [B]: row r of a request with N tokens predicts position N + r, its bonus N + k."""
+    batch = runner.input_batch
+    n = batch.num_reqs
+    counts = torch.tensor(meta.num_draft_tokens, dtype=torch.int64)
+    base = torch.from_numpy(batch.num_tokens_no_spec[:n].copy()).to(torch.int64)
+    req = torch.repeat_interleave(torch.arange(n), counts)
+    first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    return (seeds[req], base[req] + torch.arange(req.shape[0]) - first), base + counts
+
+
 def apply() -> None:
+    from vllm.v1.sample import rejection_sampler
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     if getattr(GPUModelRunner._sample, "_deepinfer", False):
         return
     original = GPUModelRunner._sample
+    constraints, reject = rejection_sampler.apply_sampling_constraints, rejection_sampler.rejection_sample
+
+    def apply_sampling_constraints(logits, cu_num_draft_tokens, sampling_metadata):
+        if _ROW_KEYS is None:
+            return constraints(logits, cu_num_draft_tokens, sampling_metadata)
+        return seeded_row_logits(logits, cu_num_draft_tokens, sampling_metadata)
+
+    def rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
+                         target_logits, bonus_token_ids, sampling_metadata, *args, **kwargs):
+        if _ROW_KEYS is not None:  # exact match against the seeded draws
+            sampling_metadata = dataclasses.replace(sampling_metadata, all_greedy=True, all_random=False)
+            draft_probs = None
+        return reject(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
+                      target_logits, bonus_token_ids, sampling_metadata, *args, **kwargs)
 
     def _sample(self, logits, spec_decode_metadata):
         from vllm_deepinfer import ops
@@ -37,8 +103,7 @@ def apply() -> None:
 
         if not ops.invariant_requested(self.vllm_config):
             return original(self, logits, spec_decode_metadata)
-        if spec_decode_metadata is not None:
-            raise NotImplementedError("DEEPINFER_BATCH_INVARIANT: speculative decoding is not covered yet")
+        global _ROW_KEYS
         sampler = self.sampler.topk_topp_sampler
         if not isinstance(sampler, SeededSampler):
             sampler = self.sampler.topk_topp_sampler = SeededSampler(self.sampler.logprobs_mode)
@@ -51,8 +116,20 @@ def apply() -> None:
             if seed is not None:
                 seeds[i] = seed
         batch.generators.clear()
-        sampler.keys = (seeds, torch.from_numpy(batch.num_tokens_no_spec[:n].copy()))
-        return original(self, logits, spec_decode_metadata)
+        policy = getattr(getattr(getattr(self, "drafter", None), "model", None), "draft_policy", None)
+        if policy is not None:  # the MTP drafter couples its drafts to these seeds (spec_decode/proposer.py)
+            policy.seeds = seeds
+        if spec_decode_metadata is None:
+            sampler.keys = (seeds, torch.from_numpy(batch.num_tokens_no_spec[:n].copy()))
+            return original(self, logits, spec_decode_metadata)
+        _ROW_KEYS, bonus_pos = _spec_row_keys(self, spec_decode_metadata, seeds)
+        sampler.keys = (seeds, bonus_pos)
+        try:
+            return original(self, logits, spec_decode_metadata)
+        finally:
+            _ROW_KEYS = None
 
-    _sample._deepinfer = True
+    _sample._deepinfer = apply_sampling_constraints._deepinfer = rejection_sample._deepinfer = True
     GPUModelRunner._sample = _sample
+    rejection_sampler.apply_sampling_constraints = apply_sampling_constraints
+    rejection_sampler.rejection_sample = rejection_sample

@@ -1,5 +1,6 @@
 """DeepInfer's speculation settings as vLLM's speculative config (`DEEPINFER_USE_NEXTN_DECODE`,
-`DEEPINFER_ENABLE_MTP_VARLEN`; `serving/settings.py::speculative_config_from_env`).
+`DEEPINFER_ENABLE_MTP_VARLEN`; `serving/settings.py::speculative_config_from_env`: DSpark on V4.1 checkpoints,
+MTP on V4).
 
 Reason: vLLM reads `--speculative-config` / `LLM(speculative_config=...)` into `EngineArgs` before any
 plugin runs (general plugins load inside `EngineArgs.__post_init__`, after the command line is parsed), so
@@ -29,7 +30,7 @@ def apply() -> None:
 
     @functools.wraps(original)
     def create_engine_config(self, *args, **kwargs):
-        spec = speculative_config_from_env()
+        spec = speculative_config_from_env(model=self.model)
         if spec is not None and self.speculative_config is None:
             self.speculative_config = spec
             logger.info("vllm-deepinfer: speculative decoding from the DeepInfer settings: %s", spec)

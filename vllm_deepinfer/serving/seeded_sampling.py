@@ -78,3 +78,17 @@ class SeededSampler(nn.Module):
             processed = logits.log_softmax(dim=-1, dtype=torch.float32)
         noisy = logits.float() + gumbel_noise(seeds.to(logits.device), pos.to(logits.device), logits.shape[-1])
         return noisy.argmax(dim=-1), processed
+
+
+def seeded_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None,
+                  top_p: torch.Tensor | None, seeds: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Rows to draw by Gumbel-max: logits [R, V] (processors applied); temperature, top_k, top_p, seeds, pos: [R]
+    -> fp32 [R, V] whose argmax is the seeded draw, by the same ops as the non-speculative path
+    (`Sampler.apply_temperature`, then `SeededSampler`). Used for the verified rows of a speculative step and
+    for the MTP drafter's coupled drafts in batch-invariant mode (`patches/seeded_sampler.py`)."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    x = logits.float().div_(temperature.unsqueeze(1))
+    if top_k is not None or top_p is not None:
+        x = apply_top_k_top_p_pytorch(x, top_k, top_p, allow_cpu_sync=x.device.type == "cpu")
+    return x + gumbel_noise(seeds.to(x.device), pos.to(x.device), x.shape[-1])

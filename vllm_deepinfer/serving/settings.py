@@ -22,6 +22,7 @@ always accepted: it asks for what the plugin does anyway.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -178,9 +179,21 @@ def check(environ: dict[str, str] | None = None, platform_device: str | None = N
 DEFAULT_NEXTN = 5  # DeepInfer's default number of draft tokens
 
 
-def speculative_config_from_env(environ: dict[str, str] | None = None) -> dict | None:
+def draft_method(model: str | None) -> str:
+    """vLLM's speculative method of the checkpoint at `model`: "dspark" for V4.1 (its DSpark drafter),
+    "mtp" for V4 and anything whose local config.json cannot be read."""
+    try:
+        with open(os.path.join(model or "", "config.json")) as f:
+            model_type = json.load(f).get("model_type", "")
+    except (OSError, ValueError):
+        return "mtp"
+    return "dspark" if model_type in ("deepseek_v41", "deepseek_v41_text") else "mtp"
+
+
+def speculative_config_from_env(environ: dict[str, str] | None = None, model: str | None = None) -> dict | None:
     """vLLM's speculative config that the DeepInfer settings ask for, None for none:
-    DEEPINFER_USE_NEXTN_DECODE=N -> MTP with N draft tokens; DEEPINFER_ENABLE_MTP_VARLEN=1 alone -> N = 5."""
+    DEEPINFER_USE_NEXTN_DECODE=N -> N draft tokens of the checkpoint's drafter (`draft_method(model)`: DSpark
+    on V4.1, MTP on V4); DEEPINFER_ENABLE_MTP_VARLEN=1 alone -> N = 5."""
     env = os.environ if environ is None else environ
     nextn = env.get("DEEPINFER_USE_NEXTN_DECODE", "")
     varlen = not _is_off(env.get("DEEPINFER_ENABLE_MTP_VARLEN", ""))
@@ -193,7 +206,7 @@ def speculative_config_from_env(environ: dict[str, str] | None = None) -> dict |
             n = -1
         if n < 1:
             raise ValueError(f"DEEPINFER_USE_NEXTN_DECODE={nextn!r} must be a positive number of draft tokens (or 0)")
-    return {"method": "mtp", "num_speculative_tokens": n} if n else None
+    return {"method": draft_method(model), "num_speculative_tokens": n} if n else None
 
 
 def _platform_device() -> str | None:

@@ -46,6 +46,7 @@ from vllm_deepinfer.models.loader import DRAFT_PREFIX, hc_param_name, write_tens
 from vllm_deepinfer.models.rope import RotaryTable
 from vllm_deepinfer.ops import quant
 from vllm_deepinfer.serving.seeded_sampling import gumbel_noise
+from vllm_deepinfer.spec_decode.proposer import policy_for
 
 #: Tensors of the drafter itself (not of a stage), by their name after `mtp.{i}.`.
 _DRAFTER_TENSORS = ("main_proj.", "main_norm.", "norm.", "markov_head.", "confidence_head.")
@@ -222,6 +223,13 @@ class DSparkDrafter(nn.Module):
         self.markov_head = MarkovHead(arch.vocab_size, arch.dspark_markov_rank)
         self.confidence_head = ConfidenceHead(d + arch.dspark_markov_rank)
         self._embed = self._logits = None  # the target's, set by bind_target (shared, not owned)
+        # confidence-scheduled verification (DEEPINFER_ENABLE_MTP_VARLEN): the proposer feeds it c_k,
+        # patches/draft_lengths.py trims the drafts the runner hands to the scheduler
+        self.draft_policy = policy_for(vllm_config, "DSpark drafter") if spec is not None else None
+        if spec is not None:
+            from vllm_deepinfer.patches import draft_lengths
+
+            draft_lengths.apply()
         if ops.packed_storage(ops.FP8_LINEARS_ENV, torch.device(vllm_config.device_config.device).type):
             fp8 = {draft_name(n) for n, (dtype, _) in expected_tensors(arch).items()
                    if dtype == "F8_E4M3" and n.startswith(DRAFT_PREFIX)}

@@ -50,8 +50,6 @@ class DSparkProposer(EagleProposer):
             raise NotImplementedError("DeepInfer DSpark needs the padded drafter batch "
                                       "(disable_padded_drafter_batch=False)")
         self.runner = runner
-        # c_k of the last drafts, [num_reqs, N] fp32 in the runner's batch order (for draft-length scheduling)
-        self.last_confidence: torch.Tensor | None = None
 
     def load_model(self, target_model: nn.Module) -> None:
         """Build and load the drafter (vLLM's loader, architecture `DSparkV41DraftModel`), share the target's
@@ -114,5 +112,5 @@ class DSparkProposer(EagleProposer):
                                      keep=self.capture.valid[:t])
             block = DraftBatch(torch.arange(b, device=dev), anchor_pos, num_speculative_tokens, metadata)
             draft = self.model.draft(next_token_ids[:b].long(), block)
-        self.last_confidence = draft.confidence
+        self.model.draft_policy.observe(draft.confidence)
         return draft.tokens

@@ -40,7 +40,7 @@ from vllm_deepinfer.models.loader import load_draft, target_name
 from vllm_deepinfer.models.rope import RotaryTable
 from vllm_deepinfer.models.step import StepBatch
 from vllm_deepinfer.ops import quant
-from vllm_deepinfer.spec_decode.proposer import DraftLengthPolicy, varlen_enabled
+from vllm_deepinfer.spec_decode.proposer import policy_for
 
 logger = get_logger(__name__)
 
@@ -130,11 +130,11 @@ class DeepseekV4MTP(nn.Module):
         self.lm_head = ParallelLMHead(self.arch.vocab_size, self.arch.hidden_size, prefix="lm_head")
         self.logits_processor = LogitsProcessor(self.arch.vocab_size)
         # Draft-length policy of confidence-scheduled verification (DEEPINFER_ENABLE_MTP_VARLEN), driven by
-        # patches/mtp_draft_lengths.py around vLLM's proposer.
-        self.draft_policy = DraftLengthPolicy(spec.num_speculative_tokens, varlen_enabled())
-        from vllm_deepinfer.patches import cpu_spec_expand, mtp_draft_lengths
+        # patches/draft_lengths.py around vLLM's proposer.
+        self.draft_policy = policy_for(vllm_config, "MTP drafter")
+        from vllm_deepinfer.patches import cpu_spec_expand, draft_lengths
 
-        mtp_draft_lengths.apply()
+        draft_lengths.apply()
         if torch.device(vllm_config.device_config.device).type == "cpu":
             cpu_spec_expand.apply()
         logger.info("vllm-deepinfer MTP drafter: block id %d, %d speculative tokens, %s draft length",

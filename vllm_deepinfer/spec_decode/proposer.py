@@ -1,15 +1,21 @@
-"""Draft-length policy state of one MTP drafter under vLLM's V1 runner.
+"""Draft-length policy state of one DeepInfer drafter (MTP or DSpark) under vLLM's V1 runner.
 
-vLLM's `EagleProposer` drafts K = num_speculative_tokens tokens per request each step. For every
-draft step the proposer's sampling hook (`patches/mtp_draft_lengths.py`) calls `record` with the
-draft logits and the drafted tokens; `finish` turns them into prefix-survival estimates [B, K]
-(`schedule.draft_survival`: running product of the drafter's own probability of each drafted token;
-the MTP block has no confidence head). When the runner hands the drafts to the scheduler
-(`take_draft_token_ids`), `trim` cuts each request's list to `schedule.choose_lengths` (varlen on,
-DEEPINFER_ENABLE_MTP_VARLEN=1) or keeps K (off). The scheduler then schedules exactly the kept
-drafts (`len(request.spec_token_ids)`), so vLLM's own spec-decode metrics (drafts, draft tokens,
-accepted tokens per position) count the verified lengths; `length_counts` and a periodic log line
-add the distribution of chosen lengths, zeros included.
+Survival estimates [B, K] of each proposal:
+
+* MTP (vLLM's `EagleProposer` loop, K steps): the proposer's sampling hook (`patches/draft_lengths.py`) calls
+  `record` with each step's draft logits and tokens; `finish` turns them into the running product of the
+  drafter's own probability of each drafted token (`schedule.draft_survival`; the MTP block has no
+  confidence head). With varlen on, the hook asks `exhausted()` after every step: once no request's next
+  slot can pay for its verification (its survival is below the lowest threshold of `choose_lengths`), the
+  later steps cannot change the chosen lengths, so the loop stops there (`StopDrafting`) and the missing
+  positions are padded with survival 0 (never verified).
+* DSpark (one block per proposal): `observe` with the confidence head's per-position c_k.
+
+When the runner hands the drafts to the scheduler (`take_draft_token_ids`), `trim` cuts each request's list
+to `schedule.choose_lengths` (varlen on, DEEPINFER_ENABLE_MTP_VARLEN=1) or keeps K (off). The scheduler then
+schedules exactly the kept drafts (`len(request.spec_token_ids)`), so vLLM's own spec-decode metrics (drafts,
+draft tokens, accepted tokens per position) count the verified lengths; `length_counts`, `draft_steps` and a
+periodic log line add the distribution of chosen lengths (zeros included) and the drafter steps run.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import os
 import torch
 
 from vllm_deepinfer.log import get_logger
-from vllm_deepinfer.spec_decode.schedule import VerifyCost, choose_lengths, draft_survival
+from vllm_deepinfer.spec_decode.schedule import VerifyCost, choose_lengths, draft_survival, no_slot_pays
 
 logger = get_logger(__name__)
 
@@ -34,29 +40,100 @@ def varlen_enabled(environ: dict[str, str] | None = None) -> bool:
     return value.strip().lower() not in OFF_VALUES
 
 
+def policy_for(vllm_config, kind: str) -> DraftLengthPolicy:
+    """The policy of a drafter built in `vllm_config` (K = num_speculative_tokens; varlen from
+    DEEPINFER_ENABLE_MTP_VARLEN or vLLM's own `enable_adaptive_verification` in the speculative config).
+    Varlen needs the drafts before the next step is scheduled: under async scheduling the scheduler places
+    K placeholders first, so varlen falls back to the fixed length there, with a warning."""
+    spec = vllm_config.speculative_config
+    k, varlen = spec.num_speculative_tokens, varlen_enabled() or bool(spec.enable_adaptive_verification)
+    if varlen and vllm_config.scheduler_config.async_scheduling:
+        logger.warning("vllm-deepinfer %s: %s=1 needs synchronous scheduling (--no-async-scheduling); "
+                       "verifying the fixed length %d", kind, VARLEN_ENV, k)
+        varlen = False
+    return DraftLengthPolicy(k, varlen)
+
+
+class StopDrafting(Exception):
+    """Raised by the MTP sampling hook when `DraftLengthPolicy.exhausted()`: the remaining steps are skipped."""
+
+
 class DraftLengthPolicy:
     """Survival estimates of the last proposal and the per-request trimming of its drafts."""
 
     def __init__(self, num_speculative_tokens: int, varlen: bool, cost: VerifyCost = VerifyCost()):
         self.max_len, self.varlen, self.cost = num_speculative_tokens, varlen, cost
         self._probs: list[torch.Tensor] = []
+        self._tokens: list[torch.Tensor] = []
+        self._dists: list[torch.Tensor | None] = []
         self.survival: torch.Tensor | None = None   # [B, K] of the last proposal
         self.length_counts = [0] * (num_speculative_tokens + 1)
+        self.draft_steps = 0                         # drafter steps run (MTP: forwards of the block)
         self.steps = 0
+        # batch-invariant mode: the step's per-request seeds [B] (set by patches/seeded_sampler.py) and the
+        # position of each request's first draft [B] (set around `propose`), for drafts coupled to the
+        # target's seeded draws
+        self.seeds: torch.Tensor | None = None
+        self.first_pos: torch.Tensor | None = None
 
     def start(self) -> None:
-        self._probs, self.survival = [], None
+        self._probs, self._tokens, self._dists, self.survival = [], [], [], None
 
     def record(self, logits: torch.Tensor, token_ids: torch.Tensor, probs: torch.Tensor | None) -> None:
         """One draft step: logits [B, V]; token_ids [B] drafted; probs [B, V] the draft distribution the
         tokens were sampled from (None: greedy drafting, then softmax(logits))."""
         dist = torch.softmax(logits.float(), dim=-1) if probs is None else probs.float()
         self._probs.append(dist.gather(1, token_ids.long().unsqueeze(1)).squeeze(1))
+        self._tokens.append(token_ids)
+        self._dists.append(probs)
+        self.draft_steps += 1
+
+    def coupled_tokens(self, logits: torch.Tensor, sampling_metadata) -> torch.Tensor:
+        """Batch-invariant mode: this step's draft tokens [B] from draft logits [B, V]: the Gumbel-max draw with
+        the noise the target's seeded sampler uses at the draft's position (`seeded_logits`), so a draft whose
+        distribution matches the target's draws the target's token; greedy rows take the argmax."""
+        from vllm_deepinfer.serving.seeded_sampling import seeded_logits
+
+        tokens = logits.argmax(dim=-1)
+        b = tokens.shape[0]
+        temperature = sampling_metadata.temperature
+        if sampling_metadata.all_greedy or temperature is None:
+            return tokens
+        rows = torch.nonzero(temperature[:b] > 0).flatten()
+        if rows.numel() == 0:
+            return tokens
+        k, p = (None if x is None else x[:b][rows] for x in (sampling_metadata.top_k, sampling_metadata.top_p))
+        cpu_rows = rows.cpu()
+        pos = self.first_pos[cpu_rows] + len(self._probs)
+        tokens[rows] = seeded_logits(logits[rows], temperature[:b][rows], k, p, self.seeds[cpu_rows], pos).argmax(-1)
+        return tokens
+
+    def exhausted(self) -> bool:
+        """Varlen on, steps left, and no request's latest slot pays (so no later slot does either)."""
+        if not self.varlen or not self._probs or len(self._probs) >= self.max_len:
+            return False
+        last = draft_survival(torch.stack(self._probs, dim=1))[:, -1]
+        return no_slot_pays(last, last.shape[0], self.cost)
+
+    def padded(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """After a `StopDrafting`: the drafted tokens [B, K] (missing steps repeat the last token) and the
+        draft distributions [B, K, V] (None when greedy), the shapes vLLM's loop would have returned."""
+        missing = self.max_len - len(self._tokens)
+        tokens = torch.stack(self._tokens + [self._tokens[-1]] * missing, dim=1)
+        dists = None if self._dists[-1] is None else torch.stack(self._dists + [self._dists[-1]] * missing, dim=1)
+        return tokens, dists
 
     def finish(self) -> None:
         if self._probs:
-            self.survival = draft_survival(torch.stack(self._probs, dim=1)).cpu()
-        self._probs = []
+            probs = torch.stack(self._probs, dim=1)
+            missing = self.max_len - probs.shape[1]
+            self.survival = torch.cat([draft_survival(probs), probs.new_zeros(probs.shape[0], missing)], 1).cpu()
+        self._probs, self._tokens, self._dists = [], [], []
+
+    def observe(self, confidence: torch.Tensor) -> None:
+        """A whole block's per-position acceptance estimates [B, K] (DSpark's c_k)."""
+        self.survival = draft_survival(confidence).cpu()
+        self.draft_steps += 1
 
     def trim(self, drafts: list[list[int]]) -> list[list[int]]:
         """drafts: per request of the last proposal (batch order) -> the prefixes to verify."""
@@ -69,9 +146,9 @@ class DraftLengthPolicy:
         if self.steps % LOG_EVERY == 0:
             total = sum(self.length_counts)
             mean = sum(n * c for n, c in enumerate(self.length_counts)) / max(total, 1)
-            logger.info("vllm-deepinfer MTP draft lengths (%s): mean %.2f, counts by length %s",
-                        "varlen" if self.varlen else "fixed", mean, self.length_counts)
+            logger.info("vllm-deepinfer draft lengths (%s): mean %.2f, counts by length %s, %d drafter steps",
+                        "varlen" if self.varlen else "fixed", mean, self.length_counts, self.draft_steps)
         return drafts
 
 
-__all__ = ["DraftLengthPolicy", "VARLEN_ENV", "varlen_enabled"]
+__all__ = ["DraftLengthPolicy", "StopDrafting", "VARLEN_ENV", "policy_for", "varlen_enabled"]

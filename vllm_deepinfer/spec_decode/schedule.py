@@ -46,6 +46,21 @@ def draft_survival(token_probs: torch.Tensor) -> torch.Tensor:
     return torch.cumprod(token_probs.float().clamp(0.0, 1.0), dim=1)
 
 
+def _pays(value: float, tokens: float, n: int, cost: VerifyCost) -> bool:
+    """Whether verifying one more slot of survival `value` raises the rate of a step that verifies `n` tokens
+    and expects `tokens`: (tokens + value) / step_time(n + 1) > tokens / step_time(n)."""
+    return value * cost.step_time(n) > tokens * cost.per_token
+
+
+def no_slot_pays(survival: torch.Tensor, batch_size: int, cost: VerifyCost = VerifyCost()) -> bool:
+    """survival [B] of one draft position -> whether none of them pays even as the first slot of the step.
+
+    The threshold a slot must beat only rises as slots are taken (each taken slot lifts the rate above the
+    old one), so the first slot's threshold is the lowest: when no request passes it at position i, rows
+    being non-increasing, `choose_lengths` verifies no position >= i (the MTP loop stops drafting there)."""
+    return not _pays(float(survival.detach().float().max()), batch_size, batch_size, cost)
+
+
 def choose_lengths(survival: torch.Tensor, batch_size: int, cost: VerifyCost = VerifyCost(),
                    min_len: int = 0) -> torch.Tensor:
     """survival [B, K] (non-increasing rows) -> draft tokens to verify per request [B] (int64, min_len..K).
@@ -63,7 +78,7 @@ def choose_lengths(survival: torch.Tensor, batch_size: int, cost: VerifyCost = V
     for flat in order.tolist():
         r, i = divmod(flat, k - m)
         value = float(s[r, m + i])
-        if value * cost.step_time(n) <= tokens * cost.per_token:  # this slot (and every later one) lowers the rate
+        if not _pays(value, tokens, n, cost):  # this slot (and every later one) lowers the rate
             break
         tokens += value
         n += 1
@@ -71,4 +86,4 @@ def choose_lengths(survival: torch.Tensor, batch_size: int, cost: VerifyCost = V
     return lengths
 
 
-__all__ = ["VerifyCost", "choose_lengths", "draft_survival"]
+__all__ = ["VerifyCost", "choose_lengths", "draft_survival", "no_slot_pays"]

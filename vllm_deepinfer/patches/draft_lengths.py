@@ -1,4 +1,4 @@
-"""Per-request draft lengths (confidence-scheduled verification) for the MTP drafter on the V1 runner.
+"""Per-request draft lengths (confidence-scheduled verification) for DeepInfer's drafters on the V1 runner.
 
 Reason: vLLM 0.32's V1 runner has no hook for a draft-length policy: `EagleProposer.propose`
 returns K drafts for every request and `GPUModelRunner.take_draft_token_ids` hands them to the
@@ -7,18 +7,23 @@ DSpark-only (refused on V1: "Model Runner V1 does not support: dspark speculativ
 scheduler itself schedules whatever list length it receives (`Scheduler.update_draft_token_ids`,
 verified with list proposers in the extension-points doc), so the least fragile V1 route is to trim
 the lists where the runner hands them over. This module wraps three methods, each only acting when
-the proposer's draft model is the DeepInfer MTP drafter (it carries a `draft_policy`):
+the proposer's draft model carries a `draft_policy` (`spec_decode/proposer.py`: the MTP drafter's, and
+DSpark's, whose proposer feeds it the confidence head directly):
 
-* `SpecDecodeBaseProposer.propose`: reset / finish the policy's per-step records around the call;
-* `SpecDecodeBaseProposer._sample_draft_tokens`: the same sampling as vLLM's (greedy argmax, or
-  `_sample_from_logits` when probabilistic drafting is on), plus recording the drafted tokens'
-  probabilities (`spec_decode/proposer.py`);
+* `SpecDecodeBaseProposer.propose` (MTP): reset / finish the policy's per-step records around the call;
+  when the sampling hook stops the loop early (`StopDrafting`: varlen on and no later draft can be
+  verified), return the padded drafts (and draft probabilities) vLLM's loop would have returned;
+* `SpecDecodeBaseProposer._sample_draft_tokens` (MTP): the same sampling as vLLM's (greedy argmax, or
+  `_sample_from_logits` when probabilistic drafting is on; in batch-invariant mode the draw coupled to the
+  target's seeded noise, `DraftLengthPolicy.coupled_tokens`), plus recording the drafted tokens'
+  probabilities, and the early stop;
 * `GPUModelRunner.take_draft_token_ids` (inherited by the CPU runner): trim each request's list.
 
 With async scheduling (GPU V1) the scheduler schedules placeholders before the lists exist, so
-trimming cannot act there; the CPU platform forces async scheduling off.
+trimming cannot act there: `proposer.policy_for` turns varlen off then (the CPU platform forces async
+scheduling off).
 
-Applied by the drafter's constructor (not by `apply_all`): importing the runner module in every
+Applied by the drafters' constructors (not by `apply_all`): importing the runner module in every
 plugin process would be slow, and nothing changes for other drafters.
 """
 
@@ -35,6 +40,8 @@ def apply() -> None:
     from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    from vllm_deepinfer.spec_decode.proposer import StopDrafting
+
     if getattr(SpecDecodeBaseProposer.propose, "_deepinfer", False):
         return
     propose, sample = SpecDecodeBaseProposer.propose, SpecDecodeBaseProposer._sample_draft_tokens
@@ -46,7 +53,17 @@ def apply() -> None:
         if policy is None:
             return propose(self, *args, **kwargs)
         policy.start()
-        out = propose(self, *args, **kwargs)
+        if policy.seeds is not None:  # batch-invariant mode: position of each request's first draft
+            cm, rejected = kwargs["common_attn_metadata"], kwargs.get("num_rejected_tokens_gpu")
+            b = kwargs["next_token_ids"].shape[0]
+            nxt = cm.seq_lens[:b].long() - (0 if rejected is None else rejected[:b].long())
+            policy.first_pos = (nxt + 1).cpu()
+        try:
+            out = propose(self, *args, **kwargs)
+        except StopDrafting:
+            out, dists = policy.padded()
+            if dists is not None:
+                self._last_draft_probs = dists.contiguous()
         policy.finish()
         return out
 
@@ -56,11 +73,15 @@ def apply() -> None:
         if policy is None:
             return sample(self, hidden_states, sampling_metadata)
         logits = self.model.compute_logits(hidden_states)
-        if not self._enable_probabilistic_draft_probs or sampling_metadata.all_greedy:
+        if policy.seeds is not None:  # batch-invariant mode (patches/seeded_sampler.py)
+            token_ids, probs = policy.coupled_tokens(logits, sampling_metadata), None
+        elif not self._enable_probabilistic_draft_probs or sampling_metadata.all_greedy:
             token_ids, probs = logits.argmax(dim=-1), None
         else:
             token_ids, probs = self._sample_from_logits(logits, sampling_metadata)
         policy.record(logits, token_ids, probs)
+        if policy.exhausted():
+            raise StopDrafting
         return token_ids, probs
 
     @functools.wraps(take)
