@@ -1,13 +1,15 @@
-"""Per-user decode speed with MTP speculation off / fixed / varlen (issue 11). UNTESTED: not run on a GPU, and on
-CPU only `--help` so far (`--device-smoke` is the CPU smoke mode); the H200 numbers are the lead's to take.
+"""Per-user decode speed with speculation off / fixed / varlen, MTP (V4) or DSpark (V4.1) (issue 11). UNTESTED on a
+GPU; on CPU `--device-smoke` (eager, fp32) is the smoke mode. The H200 numbers are the lead's to take.
 
     python3 benchmarks/bench_spec_decode.py --model CKPT --out $OUT/spec [--k 5] [--batches 1,8,32] [--intree]
 
-CKPT: a V4-Flash checkpoint, e.g. the drafters of known quality
-`python -m vllm_deepinfer.tools.make_checkpoint --arch v4-flash --preset tiny-gpu --drafter reproduce --out DIR`
-(`--drafter noise` for the other end). Each mode runs in its own subprocess (one engine each):
-off (no speculative config), fixed (`{"method": "mtp", "num_speculative_tokens": K}`), varlen (the same with
-DEEPINFER_ENABLE_MTP_VARLEN=1); `--intree` adds vLLM's in-tree V4 MTP (DEEPINFER_DISABLE=1, fixed K).
+CKPT: a V4-Flash or V4.1-Flash checkpoint, e.g. the drafters of known quality
+`python -m vllm_deepinfer.tools.make_checkpoint --arch v4.1-flash --preset tiny-gpu --drafter reproduce --out DIR`
+(`--drafter noise` for the other end). The method follows the checkpoint (`serving.settings.draft_method`:
+dspark on V4.1, mtp on V4). Each mode runs in its own subprocess (one engine each): off (no speculative config,
+vLLM's default scheduling), fixed (`{"method": M, "num_speculative_tokens": K}`), varlen (the same with
+DEEPINFER_ENABLE_MTP_VARLEN=1 and synchronous scheduling, which it needs); `--intree` adds vLLM's in-tree model
+(DEEPINFER_DISABLE=1) fixed, and for DSpark its adaptive verification (`enable_adaptive_verification`, V2 runner).
 For each batch size B: B random prompts of --prompt-len tokens, greedy, --new-tokens each (ignore_eos), as one
 `generate` after a warm-up call; per-user tok/s = new tokens / wall time; plus vLLM's spec-decode counters
 (acceptance rate, mean accepted length, per-position acceptance) over the timed call.
@@ -31,11 +33,20 @@ def run_mode(args: argparse.Namespace) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from vllm_deepinfer.serving.settings import draft_method
+
+    method = draft_method(args.model)
     kw = dict(model=args.model, dtype=args.dtype, max_model_len=args.prompt_len + args.new_tokens + 64,
               max_num_seqs=max(args.batches), gpu_memory_utilization=args.gpu_util, seed=0, disable_log_stats=False,
               enforce_eager=args.device_smoke)
     if args.mode != "off":
-        kw["speculative_config"] = {"method": "mtp", "num_speculative_tokens": args.k}
+        kw["speculative_config"] = {"method": method, "num_speculative_tokens": args.k}
+    if args.mode == "varlen":
+        kw["async_scheduling"] = False
+    if args.mode == "intree-varlen":
+        kw["speculative_config"]["enable_adaptive_verification"] = True
+    if args.mode.startswith("intree") and method == "dspark":
+        kw["limit_mm_per_prompt"] = {"image": 0}  # in-tree V4.1 with the synthetic tokenizer
     llm = LLM(**kw)
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
@@ -67,7 +78,7 @@ def run_mode(args: argparse.Namespace) -> dict:
                        mean_verified=d["num_draft_tokens"] / d["num_drafts"])
         results.append(row)
         print(json.dumps({"mode": args.mode, **row}), flush=True)
-    return {"mode": args.mode, "k": args.k, "model": args.model, "results": results}
+    return {"mode": args.mode, "method": method, "k": args.k, "model": args.model, "results": results}
 
 
 def main() -> None:
@@ -80,9 +91,10 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--gpu-util", type=float, default=0.85)
-    p.add_argument("--intree", action="store_true", help="also vLLM's in-tree V4 MTP (DEEPINFER_DISABLE=1)")
+    p.add_argument("--intree", action="store_true",
+                   help="also vLLM's in-tree model (DEEPINFER_DISABLE=1): fixed, and adaptive verification for DSpark")
     p.add_argument("--device-smoke", action="store_true", help="CPU smoke run: eager, fp32, small sizes")
-    p.add_argument("--mode", choices=["off", "fixed", "varlen", "intree"], help=argparse.SUPPRESS)
+    p.add_argument("--mode", choices=["off", "fixed", "varlen", "intree", "intree-varlen"], help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.device_smoke:
         args.dtype, args.gpu_util = "float32", 0.2
@@ -91,11 +103,14 @@ def main() -> None:
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    modes = ["off", "fixed", "varlen"] + (["intree"] if args.intree else [])
+    from vllm_deepinfer.serving.settings import draft_method
+
+    intree = ["intree"] + (["intree-varlen"] if draft_method(args.model) == "dspark" else [])
+    modes = ["off", "fixed", "varlen"] + (intree if args.intree else [])
     summary = []
     for mode in modes:
         env = dict(os.environ, DEEPINFER_ENABLE_MTP_VARLEN="1" if mode == "varlen" else "0")
-        if mode == "intree":
+        if mode.startswith("intree"):
             env["DEEPINFER_DISABLE"] = "1"
         argv = [sys.executable, __file__, *sys.argv[1:], "--mode", mode]
         log = out / f"{mode}.log"
@@ -108,11 +123,11 @@ def main() -> None:
         summary.append(json.loads(lines[-1][len("RESULT "):]))
     (out / "spec_decode.json").write_text(json.dumps(summary, indent=2) + "\n")
     base = {r["batch"]: r["per_user_tok_s"] for s in summary if s["mode"] == "off" for r in s["results"]}
-    print(f"{'mode':8} {'batch':>5} {'tok/s/user':>11} {'vs off':>7} {'accept':>7} {'verified':>8}")
+    print(f"{'mode':13} {'batch':>5} {'tok/s/user':>11} {'vs off':>7} {'accept':>7} {'verified':>8}")
     for s in summary:
         for r in s["results"]:
             ratio = r["per_user_tok_s"] / base[r["batch"]] if r["batch"] in base else float("nan")
-            print(f"{s['mode']:8} {r['batch']:>5} {r['per_user_tok_s']:>11.1f} {ratio:>7.2f} "
+            print(f"{s['mode']:13} {r['batch']:>5} {r['per_user_tok_s']:>11.1f} {ratio:>7.2f} "
                   f"{r.get('acceptance', float('nan')):>7.2f} {r.get('mean_verified', float('nan')):>8.2f}")
 
 

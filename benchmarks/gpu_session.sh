@@ -14,6 +14,8 @@
 #   bash benchmarks/gpu_session.sh fw BUDGET_S      # a full-width reduced-depth V4.1 checkpoint made here by
 #       make_checkpoint --preset full-width: in-tree (eager) || the plugin with CUDA graphs, exact and parity
 #   bash benchmarks/gpu_session.sh engram BUDGET_S  # one GPU: DEEPINFER_ENGRAM_DEVICE=host vs gpu, CUDA graphs
+#   bash benchmarks/gpu_session.sh spec BUDGET_S [ARCH] [DRAFTER]  # one GPU: bench_spec_decode.py on a tiny-gpu
+#       checkpoint (v4.1-flash / v4-flash; --drafter reproduce / noise): off, fixed, varlen, in-tree (reproduce)
 #   bash benchmarks/gpu_session.sh invariant BUDGET_S  # one GPU, ~8 min: tests/gpu/test_batch_invariance_gpu.py
 #       (V1 runner, CASES=200; TESTS=... picks others) then bench_e2e --invariant (decode 1/16/64 + prefill)
 #   bash benchmarks/gpu_session.sh tp BUDGET_S      # two GPUs: tensor_parallel_size 2 vs 1, CUDA graphs
@@ -256,6 +258,22 @@ invariant_session() {  # BUDGET_S, one GPU (issue 12): the batch-invariance test
   echo "invariant session done t=$((SECONDS - t0)) s"
 }
 
+spec_session() {  # BUDGET_S [ARCH] [DRAFTER], one GPU (issue 11): a tiny-gpu checkpoint whose drafter reproduces
+  # the target (or is noise), speculation off / fixed / varlen, ours and (reproduce) in-tree, batch 1/8/32
+  local budget=$1 arch=${2:-v4.1-flash} drafter=${3:-reproduce} t0=$SECONDS
+  vllm_env
+  local ckpt=/tmp/spec-$arch-$drafter
+  [ -d $ckpt ] || python3 -m vllm_deepinfer.tools.make_checkpoint --arch $arch --preset tiny-gpu --drafter $drafter \
+    --out $ckpt > "$LOGS/make_spec.log" 2>&1 || { tail -5 "$LOGS/make_spec.log"; exit 1; }
+  timeout $((budget - (SECONDS - t0) - 15)) python3 benchmarks/bench_spec_decode.py --model $ckpt \
+    --out "$LOGS/spec-$arch-$drafter" --k ${K:-5} --batches ${BATCHES:-1,8,32} --new-tokens ${NEW:-128} \
+    $([ "$drafter" = reproduce ] && echo --intree) > "$OUT/spec_${arch}_${drafter}.out" 2>&1
+  echo "spec bench rc=$? t=$((SECONDS - t0)) s"
+  tail -16 "$OUT/spec_${arch}_${drafter}.out"
+  cp "$LOGS/spec-$arch-$drafter/spec_decode.json" "$OUT/spec_${arch}_${drafter}.json" 2>/dev/null
+  pack_logs
+}
+
 engram_session() {  # BUDGET_S, one GPU: V4.1 Engram tables in pinned host memory vs on the GPU, CUDA graphs
   local budget=$1 t0=$SECONDS
   vllm_env
@@ -353,6 +371,7 @@ case "$mode" in
   fw) fw_session "${2:-560}" ;;
   engram) engram_session "${2:-560}" ;;
   invariant) invariant_session "${2:-560}" ;;
+  spec) spec_session "${2:-560}" "${3:-}" "${4:-}" ;;
   tp) tp_session "${2:-560}" ;;
   dpep) dpep_session "${2:-560}" ;;
   par-bench) vllm_env; par_bench "${2:-tp}" "${3:-560}"; pack_logs ;;

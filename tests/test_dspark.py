@@ -223,10 +223,7 @@ def test_checkpoint_drafters(ckpt_root, kind):
     noise drafter's never are (acceptance ~0, c ~ 0)."""
     from vllm import SamplingParams
 
-    from vllm_deepinfer.tools.make_checkpoint import make_checkpoint
-
-    ckpt = make_checkpoint("v4.1-flash", "tiny", ckpt_root / f"v4.1-drafter-{kind}", seed=0, drafter=kind,
-                           progress=False)
+    ckpt = tiny_checkpoint(ckpt_root, "v4.1-flash", 0, drafter=kind)
     n = 5
     with engine(ckpt, max_model_len=W_MAX_LEN) as llm:
         s = Session(llm, ckpt, f"draft_{kind}")
@@ -273,10 +270,7 @@ def test_engine_dspark_varlen_lossless_max_and_min(ckpt_root, monkeypatch):
     (DEEPINFER_ENABLE_MTP_VARLEN=1), mixed-length batch, chunked prefill: greedy tokens equal speculation off
     for both checkpoint drafters (same target); the reproducing drafter (c ~ 0.9997) is accepted and verified
     at the full block length, the noise drafter (c ~ 0.0003) at length 0 (vLLM counts no draft tokens)."""
-    from vllm_deepinfer.tools.make_checkpoint import make_checkpoint
-
-    ckpts = {kind: make_checkpoint("v4.1-flash", "tiny", ckpt_root / f"v4.1-drafter-{kind}", seed=0, drafter=kind,
-                                   progress=False) for kind in ("reproduce", "noise")}
+    ckpts = {kind: tiny_checkpoint(ckpt_root, "v4.1-flash", 0, drafter=kind) for kind in ("reproduce", "noise")}
     prompts = [_ids(n, n) for n in (7, 40, 150)]
     chunked = dict(max_model_len=W_MAX_LEN, max_num_batched_tokens=64, enable_chunked_prefill=True)
     with engine(ckpts["reproduce"], **chunked) as llm:
@@ -294,6 +288,32 @@ def test_engine_dspark_varlen_lossless_max_and_min(ckpt_root, monkeypatch):
             assert counts[n] == sum(counts) and drafted > 0 and accepted / drafted >= 0.95
         else:
             assert counts[0] == sum(counts) and drafted == 0
+
+
+def test_engine_dspark_invariant_mode_equals_no_speculation(ckpt_root, monkeypatch):
+    """DEEPINFER_BATCH_INVARIANT=1: seeded requests (temperature 1.5; temperature 1 with top-k 20) and greedy
+    ones with DSpark speculation get exactly the tokens of that mode without speculation (exact-match
+    verification against the seeded draws, drafts drawn with the target's noise); drafts are accepted."""
+    from vllm import SamplingParams
+
+    ckpt = tiny_checkpoint(ckpt_root, "v4.1-flash", 0, drafter="reproduce")
+    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
+    params = ([SamplingParams(temperature=1.5, seed=s, max_tokens=16, ignore_eos=True) for s in range(3)]
+              + [SamplingParams(temperature=1.0, top_k=20, seed=9, max_tokens=16, ignore_eos=True),
+                 SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)])
+    prompts = [{"prompt_token_ids": _ids(n, i)} for i, n in enumerate((7, 40, 150, 40, 150))]
+
+    def run(llm) -> list[list[int]]:
+        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    with engine(ckpt, max_model_len=W_MAX_LEN) as llm:
+        off = run(llm)
+    with engine(ckpt, speculative_config=SPEC, disable_log_stats=False, max_model_len=W_MAX_LEN) as llm:
+        on = run(llm)
+        drafted, accepted = _spec_counters(llm)
+    print(f"DSpark, invariant mode: {accepted}/{drafted} draft tokens accepted")
+    assert on == off
+    assert 0 < accepted <= drafted
 
 
 def test_engine_dspark_drafts_match_reference(random_ckpt, reference):

@@ -12,7 +12,8 @@ before it, and sampled outputs far more concentrated than without speculation (t
 
 Fix: on CPU, replace the module-level `expand_batch_to_tokens` (looked up at call time by
 `apply_sampling_constraints`) with the same map in torch ops: x[r] repeated over request r's draft
-tokens, `replace_from` -> `replace_to`. Applied by the DeepInfer MTP drafter's constructor on CPU.
+tokens, `replace_from` -> `replace_to`. Applied on CPU by the DeepInfer drafters' constructors
+(`spec_decode.proposer.policy_for`).
 """
 
 from __future__ import annotations

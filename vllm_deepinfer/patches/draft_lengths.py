@@ -23,8 +23,8 @@ With async scheduling (GPU V1) the scheduler schedules placeholders before the l
 trimming cannot act there: `proposer.policy_for` turns varlen off then (the CPU platform forces async
 scheduling off).
 
-Applied by the drafters' constructors (not by `apply_all`): importing the runner module in every
-plugin process would be slow, and nothing changes for other drafters.
+Applied by the drafters' constructors (`spec_decode.proposer.policy_for`, not by `apply_all`): importing the
+runner module in every plugin process would be slow, and nothing changes for other drafters.
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ noise of (seed, N + r) (`seeded_row_logits`, in place of vLLM's `apply_sampling_
 then exact match (vLLM's greedy kernel, `rejection_sample` with all rows greedy), and the bonus token is the
 runner's sampler keyed by (seed, N + k). A draft is accepted iff it equals the seeded sample, so the output
 is the non-speculative seeded output token for token, whatever the drafts, the draft lengths or the batch.
-To keep acceptance up, the MTP drafter draws its drafts with the same noise (`DraftLengthPolicy.coupled_tokens`:
-the step's seeds are handed to its policy here).
+To keep acceptance up, the drafters draw their drafts with the same noise (MTP:
+`DraftLengthPolicy.coupled_tokens`; DSpark: `dspark.sample`); the step's seeds are handed to their policy here.
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def apply() -> None:
                 seeds[i] = seed
         batch.generators.clear()
         policy = getattr(getattr(getattr(self, "drafter", None), "model", None), "draft_policy", None)
-        if policy is not None:  # the MTP drafter couples its drafts to these seeds (spec_decode/proposer.py)
+        if policy is not None:  # the drafters couple their drafts to these seeds (spec_decode/proposer.py)
             policy.seeds = seeds
         if spec_decode_metadata is None:
             sampler.keys = (seeds, torch.from_numpy(batch.num_tokens_no_spec[:n].copy()))

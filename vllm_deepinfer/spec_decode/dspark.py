@@ -45,7 +45,7 @@ from vllm_deepinfer.models.layers import Linear, RMSNorm, pack_fp8_linears
 from vllm_deepinfer.models.loader import DRAFT_PREFIX, hc_param_name, write_tensors
 from vllm_deepinfer.models.rope import RotaryTable
 from vllm_deepinfer.ops import quant
-from vllm_deepinfer.serving.seeded_sampling import gumbel_noise
+from vllm_deepinfer.serving.seeded_sampling import seeded_logits
 from vllm_deepinfer.spec_decode.proposer import policy_for
 
 #: Tensors of the drafter itself (not of a stage), by their name after `mtp.{i}.`.
@@ -103,17 +103,23 @@ class Draft:
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor | None, seeds: torch.Tensor | None,
-           positions: torch.Tensor) -> torch.Tensor:
-    """logits: [B, V] fp32 -> ids [B]: argmax where the temperature is None or 0, else Gumbel-max over
-    logits / T with noise keyed by (seed, position) (`serving.seeded_sampling.gumbel_noise`)."""
-    greedy = logits.argmax(dim=-1)
+           positions: torch.Tensor, top_k: torch.Tensor | None = None,
+           top_p: torch.Tensor | None = None) -> torch.Tensor:
+    """logits: [B, V] fp32 -> ids [B]: argmax where the temperature is None or 0, else the seeded Gumbel-max
+    draw of the target's sampler in batch-invariant mode (`serving.seeded_sampling.seeded_logits`: temperature,
+    top-k / top-p, noise keyed by (seed, position of the drawn token)), so that a draft whose distribution
+    matches the target's draws the target's token. temperature, seeds, positions, top_k, top_p: [B]."""
+    tokens = logits.argmax(dim=-1)
     if temperature is None:
-        return greedy
+        return tokens
     if seeds is None:
         raise ValueError("seeded draft sampling needs a seed per request")
-    t = temperature.float().unsqueeze(1)
-    noisy = logits / t.clamp(min=1e-5) + gumbel_noise(seeds, positions, logits.shape[-1])
-    return torch.where(temperature > 0, noisy.argmax(dim=-1), greedy)
+    rows = torch.nonzero(temperature > 0).flatten()
+    if rows.numel():
+        k, p = (None if x is None else x[rows] for x in (top_k, top_p))
+        tokens[rows] = seeded_logits(logits[rows], temperature[rows].float(), k, p, seeds[rows],
+                                     positions[rows]).argmax(dim=-1)
+    return tokens
 
 
 class DSparkAttention(Attention):
@@ -226,10 +232,6 @@ class DSparkDrafter(nn.Module):
         # confidence-scheduled verification (DEEPINFER_ENABLE_MTP_VARLEN): the proposer feeds it c_k,
         # patches/draft_lengths.py trims the drafts the runner hands to the scheduler
         self.draft_policy = policy_for(vllm_config, "DSpark drafter") if spec is not None else None
-        if spec is not None:
-            from vllm_deepinfer.patches import draft_lengths
-
-            draft_lengths.apply()
         if ops.packed_storage(ops.FP8_LINEARS_ENV, torch.device(vllm_config.device_config.device).type):
             fp8 = {draft_name(n) for n, (dtype, _) in expected_tensors(arch).items()
                    if dtype == "F8_E4M3" and n.startswith(DRAFT_PREFIX)}
@@ -253,9 +255,11 @@ class DSparkDrafter(nn.Module):
             attn.write_context(main_x, req, positions, attn_metadata[attn.window_cache.prefix], keep)
 
     def draft(self, anchor: torch.Tensor, block: DraftBatch, temperature: torch.Tensor | None = None,
-              seeds: torch.Tensor | None = None) -> Draft:
+              seeds: torch.Tensor | None = None, top_k: torch.Tensor | None = None,
+              top_p: torch.Tensor | None = None) -> Draft:
         """Draft N = block.n tokens after each anchor [B] (the token the target just sampled, at
-        block.anchor_pos). temperature, seeds: [B] (None = greedy; rows with T = 0 are greedy)."""
+        block.anchor_pos). temperature, seeds, top_k, top_p: [B] (temperature None = greedy; rows with T = 0 are
+        greedy); the draw of block row k is keyed by its token's position, anchor_pos + k + 1."""
         b, n, h = anchor.shape[0], block.n, self.arch.hc_mult
         ids = torch.full((b, n), self.noise, dtype=torch.long, device=anchor.device)
         ids[:, 0] = anchor
@@ -271,7 +275,7 @@ class DSparkDrafter(nn.Module):
         for k in range(n):
             psi = self.markov_head.embed(prev)                                    # [B, r]
             logits_k = base[:, k] + self.markov_head.head(psi).float()
-            prev = sample(logits_k, temperature, seeds, positions[:, k])
+            prev = sample(logits_k, temperature, seeds, positions[:, k] + 1, top_k, top_p)
             tokens.append(prev)
             logits.append(logits_k)
             psis.append(psi)

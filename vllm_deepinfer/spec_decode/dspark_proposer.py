@@ -13,8 +13,10 @@ the runner's place. It keeps the base class's input preparation (`prepare_next_t
                        (next_token_ids) at position seq_len - rejected.
 
 Drafts are greedy (argmax of the Markov-corrected logits): a deterministic proposal, so V1's rejection
-sampler (no draft probabilities) stays exact for any target sampling. Not covered: the draft model's
-CUDA graphs (dummy runs do nothing), multimodal inputs, `disable_padded_drafter_batch`.
+sampler (no draft probabilities) stays exact for any target sampling. In batch-invariant mode the drafts of
+sampled requests are the seeded draws with the target's noise instead (exact-match verification there).
+The confidence head's c_k feed the draft-length policy (`DraftLengthPolicy.observe`). Not covered: the draft
+model's CUDA graphs (dummy runs do nothing), multimodal inputs, `disable_padded_drafter_batch`.
 """
 
 from __future__ import annotations
@@ -111,6 +113,17 @@ class DSparkProposer(EagleProposer):
             self.model.write_context(self.capture.features[:t], req, target_positions[:t].long(), metadata,
                                      keep=self.capture.valid[:t])
             block = DraftBatch(torch.arange(b, device=dev), anchor_pos, num_speculative_tokens, metadata)
-            draft = self.model.draft(next_token_ids[:b].long(), block)
+            draft = self.model.draft(next_token_ids[:b].long(), block, **self._coupling(sampling_metadata, b))
         self.model.draft_policy.observe(draft.confidence)
         return draft.tokens
+
+    def _coupling(self, sampling_metadata, b: int) -> dict:
+        """Batch-invariant mode (the step's seeds handed to the policy by `patches/seeded_sampler.py`): the
+        requests' temperature, top-k / top-p and seeds, so the drafts are drawn with the target's noise
+        (verification there is exact match); otherwise {} (greedy drafts)."""
+        seeds = self.model.draft_policy.seeds
+        if seeds is None or sampling_metadata.all_greedy:
+            return {}
+        cut = lambda x: None if x is None else x[:b]  # noqa: E731
+        return dict(temperature=sampling_metadata.temperature[:b], seeds=seeds[:b].to(self.device),
+                    top_k=cut(sampling_metadata.top_k), top_p=cut(sampling_metadata.top_p))

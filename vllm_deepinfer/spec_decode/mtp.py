@@ -132,11 +132,6 @@ class DeepseekV4MTP(nn.Module):
         # Draft-length policy of confidence-scheduled verification (DEEPINFER_ENABLE_MTP_VARLEN), driven by
         # patches/draft_lengths.py around vLLM's proposer.
         self.draft_policy = policy_for(vllm_config, "MTP drafter")
-        from vllm_deepinfer.patches import cpu_spec_expand, draft_lengths
-
-        draft_lengths.apply()
-        if torch.device(vllm_config.device_config.device).type == "cpu":
-            cpu_spec_expand.apply()
         logger.info("vllm-deepinfer MTP drafter: block id %d, %d speculative tokens, %s draft length",
                     self.arch.num_layers, spec.num_speculative_tokens,
                     "confidence-scheduled" if self.draft_policy.varlen else "fixed")

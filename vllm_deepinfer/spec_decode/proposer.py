@@ -42,9 +42,16 @@ def varlen_enabled(environ: dict[str, str] | None = None) -> bool:
 
 def policy_for(vllm_config, kind: str) -> DraftLengthPolicy:
     """The policy of a drafter built in `vllm_config` (K = num_speculative_tokens; varlen from
-    DEEPINFER_ENABLE_MTP_VARLEN or vLLM's own `enable_adaptive_verification` in the speculative config).
+    DEEPINFER_ENABLE_MTP_VARLEN or vLLM's own `enable_adaptive_verification` in the speculative config), after
+    installing the V1 hooks a DeepInfer drafter needs: `patches/draft_lengths.py`, and on CPU
+    `patches/cpu_spec_expand.py` (the rejection sampler's per-token parameters).
     Varlen needs the drafts before the next step is scheduled: under async scheduling the scheduler places
     K placeholders first, so varlen falls back to the fixed length there, with a warning."""
+    from vllm_deepinfer.patches import cpu_spec_expand, draft_lengths
+
+    draft_lengths.apply()
+    if torch.device(vllm_config.device_config.device).type == "cpu":
+        cpu_spec_expand.apply()
     spec = vllm_config.speculative_config
     k, varlen = spec.num_speculative_tokens, varlen_enabled() or bool(spec.enable_adaptive_verification)
     if varlen and vllm_config.scheduler_config.async_scheduling:
