@@ -71,12 +71,12 @@ def preempt_prompts(model_dir):
 
 @pytest.fixture(scope="module")
 def full(model_dir, prompts, shared, preempt_prompts):
-    """Replay off: every prompt alone, plus its prompt logprobs."""
+    """Replay off: every prompt alone, plus its prompt logprobs; the preemption prompts as one batch."""
     with engine(model_dir, swa_bounded_replay=False) as llm:
         alone = [_run(llm, [p])[0] for p in prompts]
         prompt_lp = _run(llm, [prompts[2]], prompt_logprobs=1)[0][2].prompt_logprobs
         second = _run(llm, [shared[1]])[0]
-        preempt = [_run(llm, [p], PREEMPT_NEW)[0] for p in preempt_prompts]
+        preempt = _run(llm, preempt_prompts, PREEMPT_NEW)  # one batch: this pool holds all six
         assert _counts(llm)["past_cut_tokens"] == 0
     return {"alone": alone, "prompt_lp": prompt_lp, "second": second, "preempt": preempt}
 

@@ -40,39 +40,41 @@ def _greedy(llm, prompts: list[list[int]], n_new: int = N_NEW) -> list[list[int]
 
 @pytest.fixture(scope="module", params=["v4-flash", "v4.1-flash"])
 def case(request, ckpt_root):
-    """(arch, model dir, prompts, greedy tokens of each prompt alone, greedy tokens of the batch)."""
+    """(arch, model dir, prompts, greedy tokens of each prompt alone, greedy tokens of the batch, the preemption
+    prompts and their greedy tokens on this engine's pool, which holds them all at once)."""
     model_dir = tiny_checkpoint(ckpt_root, request.param, 0, **OVERRIDES[request.param])
     prompts = [prompt_ids(model_dir, n, i) for i, n in enumerate(LENGTHS)]
+    preempt = [prompt_ids(model_dir, 60 + 7 * i, i) for i in range(6)]
     with engine(model_dir) as llm:
         alone = [_greedy(llm, [p])[0] for p in prompts]
         batched = _greedy(llm, prompts)
-    return request.param, model_dir, prompts, alone, batched
+        unpreempted = _greedy(llm, preempt, PREEMPT_NEW)
+    return request.param, model_dir, prompts, alone, batched, preempt, unpreempted
 
 
 def test_mixed_batch_matches_alone(case):
-    _, _, _, alone, batched = case
+    _, _, _, alone, batched, *_ = case
     assert batched == alone
 
 
 @pytest.mark.parametrize("chunk", [37, 200])
 def test_chunked_prefill_matches_alone(case, chunk):
-    _, model_dir, prompts, alone, _ = case
+    _, model_dir, prompts, alone, *_ = case
     with engine(model_dir, max_num_batched_tokens=chunk, max_num_seqs=4, enable_chunked_prefill=True) as llm:
         assert _greedy(llm, prompts) == alone
 
 
-def test_preemption_recompute_matches_alone(case):
+def test_preemption_recompute_matches_unpreempted(case):
     """A KV pool too small for six long decodes at once forces preemption and recompute.
 
-    The pool holds every request alone (run one by one first, on the same engine); in the batch,
-    decodes that cross window-block boundaries need blocks that are not there, so the scheduler
-    preempts running requests and recomputes them later.
+    The pool holds every request alone; in the batch, decodes that cross window-block boundaries need
+    blocks that are not there, so the scheduler preempts running requests and recomputes them later. The
+    tokens equal the same batch on the default pool, where nothing is preempted (and mixed batches equal
+    each request alone: `test_mixed_batch_matches_alone`).
     """
-    arch, model_dir = case[:2]
-    prompts = [prompt_ids(model_dir, 60 + 7 * i, i) for i in range(6)]
+    arch, model_dir, *_, prompts, unpreempted = case
     with engine(model_dir, num_gpu_blocks_override=PREEMPT_BLOCKS[arch], max_num_seqs=6, max_model_len=1024,
                 max_num_batched_tokens=128, enable_chunked_prefill=True) as llm:
-        alone = [_greedy(llm, [p], PREEMPT_NEW)[0] for p in prompts]
         with recorded_preemptions(llm) as preempted:
-            assert _greedy(llm, prompts, PREEMPT_NEW) == alone
+            assert _greedy(llm, prompts, PREEMPT_NEW) == unpreempted
     assert preempted, "the KV pool was large enough: no request was preempted"
