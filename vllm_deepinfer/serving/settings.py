@@ -14,8 +14,8 @@ always accepted: it asks for what the plugin does anyway.
 | `DEEPINFER_EXPERT_STORAGE` | honoured: the routed experts are vLLM's fused-MoE layer; `packed` keeps their MXFP4 codes + E8M0 scales (a quarter of the expert memory): on CUDA vLLM's MXFP4 method (`Mxfp4MoEMethod`, Marlin W4A16 on SM90), off CUDA the plugin's torch experts on the stored bytes (`ops.routed_experts_packed`, for tests); `bf16` dequantises at load (CUDA: vLLM's unquantized method; off CUDA: `ops.routed_experts`); `auto` (default) = packed on CUDA, bf16 elsewhere (`vllm_deepinfer.moe.method.expert_storage`). Read at model construction. An unknown value stops start-up. |
 | `DEEPINFER_ENGRAM_DEVICE` | honoured: where the V4.1 Engram tables live. `host` keeps them in pinned host memory and gathers each step's rows into device staging buffers on a side stream at step start (UVA reads, overlapped with the layers before the Engram layer; CUDA-graph safe); `gpu` keeps them in device memory; `auto` (default) = `host` on CUDA, `gpu` elsewhere (`vllm_deepinfer.ops.parse_engram_device`). Read at model construction; the load logs the bytes on host and device. An unknown value stops start-up. |
 | `DEEPINFER_BATCH_INVARIANT` | honoured: `1` turns on batch-invariant mode (the vLLM-style option is `--additional-config '{"deepinfer_batch_invariant": true}'`, which wins over the variable): ops run their batch-invariant variants and the sampler draws seeded tokens with noise keyed by (seed, position) (`vllm_deepinfer/serving/seeded_sampling.py`). Read at model construction. vLLM's `VLLM_BATCH_INVARIANT=1` is not an equivalent (different kernels/sampler, crashes on CPU) and is never substituted. |
-| `DEEPINFER_ENABLE_MTP_VARLEN` | honoured: `1` = confidence-scheduled verification, each request's drafts trimmed to the length that maximises the expected tokens per step time (`vllm_deepinfer/spec_decode/schedule.py`); `0` (default) = every draft verified. Read by the MTP drafter at construction; needs speculation on (`--speculative-config`, or `DEEPINFER_USE_NEXTN_DECODE`; with neither, `1` turns on DeepInfer's default of 5 draft tokens). |
-| `DEEPINFER_USE_NEXTN_DECODE` | mapped: `N` >= 1 = `--speculative-config '{"method": "mtp", "num_speculative_tokens": N}'` (V4 MTP drafter) for `vllm serve` and `LLM()` when no speculative config is given (a given one wins, with a warning; `patches/speculative_settings.py`). |
+| `DEEPINFER_ENABLE_MTP_VARLEN` | honoured: `1` = confidence-scheduled verification, each request's drafts trimmed to the length that maximises the expected tokens per step time (`vllm_deepinfer/spec_decode/schedule.py`); `0` (default) = every draft verified. Read by the drafter at construction; needs speculation on (`--speculative-config`, or `DEEPINFER_USE_NEXTN_DECODE`; with neither, `1` turns on DeepInfer's default of 5 draft tokens). |
+| `DEEPINFER_USE_NEXTN_DECODE` | mapped: `N` >= 1 = `--speculative-config '{"method": "dspark" on V4.1 / "mtp" on V4, "num_speculative_tokens": N}'` for `vllm serve` and `LLM()` when no speculative config is given (a given one wins, with a warning; `patches/speculative_settings.py`). |
 | `DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE` | mapped: `compact` turns V4.1 decoder bounded replay on, `none` off (`vllm_deepinfer/models/replay.py`); unset, vLLM's `--swa-bounded-replay` / `--no-swa-bounded-replay` decides (vLLM's default: on). V4 has nothing to replay (ignored with a warning). |
 | `DEEPINFER_YOCO_PREFILL_KEEP_TOKENS` | honoured: trailing prompt tokens per request that run the layers past the cut. Unset or `exact` = n(W-1)+1, which is exact; a smaller value (DeepInfer's default 140, vLLM in-tree's 128) is approximate; below the sliding window the model refuses to start. |
 """
@@ -73,12 +73,13 @@ SETTINGS: dict[str, Setting] = {
         Setting("DEEPINFER_BATCH_INVARIANT", "honoured",
                 "--additional-config '{\"deepinfer_batch_invariant\": true}' (VLLM_BATCH_INVARIANT is not equivalent)",
                 "batch-invariant ops and seeded sampling keyed by (seed, position)"),
-        Setting("DEEPINFER_ENABLE_MTP_VARLEN", "honoured", "none (vLLM's adaptive verification is V2 + dspark only)",
+        Setting("DEEPINFER_ENABLE_MTP_VARLEN", "honoured",
+                "\"enable_adaptive_verification\": true in the speculative config (the same policy here)",
                 "per-request draft lengths from the drafter's prefix-survival estimates and a verification cost "
                 "model (1), or every draft verified (0)"),
         Setting("DEEPINFER_USE_NEXTN_DECODE", "mapped",
-                "--speculative-config '{\"method\": \"mtp\", \"num_speculative_tokens\": N}'",
-                "MTP speculative decoding with N draft tokens per step (DeepInfer's default 5)"),
+                "--speculative-config '{\"method\": \"dspark\" (V4.1) or \"mtp\" (V4), \"num_speculative_tokens\": N}'",
+                "speculative decoding with the checkpoint's drafter, N draft tokens per step (DeepInfer's default 5)"),
         Setting("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "mapped", "--swa-bounded-replay / --no-swa-bounded-replay",
                 "V4.1 decoder bounded replay: compact = on, none = off; unset, vLLM's swa_bounded_replay decides"),
         Setting("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", "honoured", "none (vLLM in-tree keeps the 128-token window)",
