@@ -99,6 +99,12 @@ def recorded_preemptions(llm) -> Iterator[list[str]]:
         scheduler._preempt_request = original
 
 
+def draft_policy(llm):
+    """The draft-length policy of `llm`'s DeepInfer drafter (MTP or DSpark) inside the in-process engine."""
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    return runner.drafter.model.draft_policy
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

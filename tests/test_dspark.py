@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import engine, tiny_checkpoint
+from tests.conftest import draft_policy, engine, tiny_checkpoint
 
 W_MAX_LEN = 1024  # max_model_len of the test engines
 
@@ -259,12 +259,6 @@ def _spec_counters(llm) -> tuple[int, int]:
     return m["vllm:spec_decode_num_draft_tokens"].value, m["vllm:spec_decode_num_accepted_tokens"].value
 
 
-def _policy(llm):
-    """The DSpark drafter's draft-length policy inside the in-process engine."""
-    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-    return runner.drafter.model.draft_policy
-
-
 def test_engine_dspark_varlen_lossless_max_and_min(ckpt_root, monkeypatch):
     """vLLM's V1 runner with `method="dspark"` (our proposer) and confidence-scheduled verification
     (DEEPINFER_ENABLE_MTP_VARLEN=1), mixed-length batch, chunked prefill: greedy tokens equal speculation off
@@ -281,7 +275,7 @@ def test_engine_dspark_varlen_lossless_max_and_min(ckpt_root, monkeypatch):
         with engine(ckpt, speculative_config=SPEC, disable_log_stats=False, **chunked) as llm:
             assert _generate(llm, prompts, 24) == base, kind
             drafted, accepted = _spec_counters(llm)
-            counts = _policy(llm).length_counts
+            counts = draft_policy(llm).length_counts
         print(f"{kind} in vLLM, varlen: {accepted}/{drafted} draft tokens accepted, lengths chosen {counts}")
         assert sum(counts) > 0
         if kind == "reproduce":

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from tests.conftest import engine, recorded_preemptions, tiny_checkpoint
+from tests.conftest import draft_policy, engine, recorded_preemptions, tiny_checkpoint
 from tests.fidelity import prompt_ids
 from vllm_deepinfer.spec_decode.schedule import VerifyCost, choose_lengths, draft_survival, no_slot_pays
 
@@ -60,12 +60,6 @@ def _delta(after: dict, before: dict) -> dict:
     return d
 
 
-def _policy(llm):
-    """The MTP drafter's draft-length policy inside the in-process engine."""
-    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-    return runner.drafter.model.draft_policy
-
-
 @pytest.fixture(scope="module")
 def std(ckpt_root):
     """(model dir, mixed prompts, preemption prompts, greedy tokens without speculation for both)."""
@@ -94,7 +88,7 @@ def test_lossless_k3_chunked_prefill_and_preemption(std):
         with recorded_preemptions(llm) as preempted:
             assert _generate(llm, preempt, PREEMPT_NEW) == ref_preempt
         assert _spec_counts(llm)["num_draft_tokens"] > 0
-        policy = _policy(llm)
+        policy = draft_policy(llm)
         # threshold s > E * b / (a + b n) ~ 1e-3 at B = 4: below this drafter's first-position probabilities,
         # above its products at later positions (measured: length 1 of 3 for every request and step)
         policy.varlen, policy.cost = True, VerifyCost(fixed=1.0, per_token=2.5e-4)
@@ -126,7 +120,7 @@ def reproduce_llm(reproduce):
 def test_reproducing_drafter_accepted_and_max_length(reproduce, reproduce_llm):
     _, mixed, ref, _ = reproduce
     llm = reproduce_llm
-    policy = _policy(llm)
+    policy = draft_policy(llm)
     assert policy.varlen
     before = _spec_counts(llm)
     assert _generate(llm, mixed) == ref
@@ -181,7 +175,7 @@ def noise_llm(ckpt_root):
 
 def test_noise_drafter_rejected(noise_llm):
     llm, mixed = noise_llm
-    policy = _policy(llm)
+    policy = draft_policy(llm)
     policy.varlen = False  # fixed length (the default): every draft verified
     before = _spec_counts(llm)
     _generate(llm, mixed)
@@ -192,7 +186,7 @@ def test_noise_drafter_rejected(noise_llm):
 
 def test_noise_drafter_min_length(noise_llm):
     llm, mixed = noise_llm
-    policy = _policy(llm)
+    policy = draft_policy(llm)
     policy.varlen = True
     counts, steps, proposals = list(policy.length_counts), policy.draft_steps, policy.steps
     before = _spec_counts(llm)

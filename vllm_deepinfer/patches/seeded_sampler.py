@@ -43,24 +43,17 @@ _ROW_KEYS: tuple[torch.Tensor, torch.Tensor] | None = None
 
 def seeded_row_logits(logits: torch.Tensor, cu_num_draft_tokens: torch.Tensor, sampling_metadata) -> torch.Tensor:
     """Verified rows' logits [T, V] (fp32, logits processors applied) -> logits whose argmax is the row's seeded
-    draw (`serving.seeded_sampling.seeded_logits` on the rows of random requests; greedy rows stay)."""
+    draw (`serving.seeded_sampling.seeded_rows` with the per-request parameters expanded to the rows)."""
     from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
 
-    from vllm_deepinfer.serving.seeded_sampling import seeded_logits
+    from vllm_deepinfer.serving.seeded_sampling import seeded_rows
 
-    seeds, pos = _ROW_KEYS
     n = logits.shape[0]
     if sampling_metadata.all_greedy or n == 0:
         return logits
-    temperature = expand_batch_to_tokens(sampling_metadata.temperature, cu_num_draft_tokens, n)
-    rows = torch.nonzero(temperature > 0).flatten()   # greedy rows carry GREEDY_TEMPERATURE = 0
-    if rows.numel() == 0:
-        return logits
-    k, p = (None if x is None else expand_batch_to_tokens(x, cu_num_draft_tokens, n)[rows]
-            for x in (sampling_metadata.top_k, sampling_metadata.top_p))
-    cpu_rows = rows.cpu()
-    logits[rows] = seeded_logits(logits[rows], temperature[rows], k, p, seeds[cpu_rows], pos[cpu_rows])
-    return logits
+    temperature, k, p = (None if x is None else expand_batch_to_tokens(x, cu_num_draft_tokens, n)
+                         for x in (sampling_metadata.temperature, sampling_metadata.top_k, sampling_metadata.top_p))
+    return seeded_rows(logits, temperature, k, p, *_ROW_KEYS)   # greedy rows carry GREEDY_TEMPERATURE = 0
 
 
 def _spec_row_keys(runner, meta, seeds: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:

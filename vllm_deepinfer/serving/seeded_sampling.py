@@ -92,3 +92,16 @@ def seeded_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     if top_k is not None or top_p is not None:
         x = apply_top_k_top_p_pytorch(x, top_k, top_p, allow_cpu_sync=x.device.type == "cpu")
     return x + gumbel_noise(seeds.to(x.device), pos.to(x.device), x.shape[-1])
+
+
+def seeded_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None,
+                top_p: torch.Tensor | None, seeds: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """logits [R, V] -> fp32 copy whose rows with temperature > 0 are `seeded_logits` (argmax = the seeded draw);
+    greedy rows (temperature 0) unchanged. temperature, top_k, top_p, seeds, pos: [R]."""
+    out = logits.float().clone()
+    rows = torch.nonzero(temperature > 0).flatten()
+    if rows.numel():
+        k, p = (None if x is None else x[rows] for x in (top_k, top_p))
+        out[rows] = seeded_logits(out[rows], temperature[rows], k, p, seeds[rows.to(seeds.device)],
+                                  pos[rows.to(pos.device)])
+    return out

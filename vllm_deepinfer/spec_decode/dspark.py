@@ -45,7 +45,7 @@ from vllm_deepinfer.models.layers import Linear, RMSNorm, pack_fp8_linears
 from vllm_deepinfer.models.loader import DRAFT_PREFIX, hc_param_name, write_tensors
 from vllm_deepinfer.models.rope import RotaryTable
 from vllm_deepinfer.ops import quant
-from vllm_deepinfer.serving.seeded_sampling import seeded_logits
+from vllm_deepinfer.serving.seeded_sampling import seeded_rows
 from vllm_deepinfer.spec_decode.proposer import policy_for
 
 #: Tensors of the drafter itself (not of a stage), by their name after `mtp.{i}.`.
@@ -106,20 +106,14 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor | None, seeds: torch.
            positions: torch.Tensor, top_k: torch.Tensor | None = None,
            top_p: torch.Tensor | None = None) -> torch.Tensor:
     """logits: [B, V] fp32 -> ids [B]: argmax where the temperature is None or 0, else the seeded Gumbel-max
-    draw of the target's sampler in batch-invariant mode (`serving.seeded_sampling.seeded_logits`: temperature,
+    draw of the target's sampler in batch-invariant mode (`serving.seeded_sampling.seeded_rows`: temperature,
     top-k / top-p, noise keyed by (seed, position of the drawn token)), so that a draft whose distribution
     matches the target's draws the target's token. temperature, seeds, positions, top_k, top_p: [B]."""
-    tokens = logits.argmax(dim=-1)
     if temperature is None:
-        return tokens
+        return logits.argmax(dim=-1)
     if seeds is None:
         raise ValueError("seeded draft sampling needs a seed per request")
-    rows = torch.nonzero(temperature > 0).flatten()
-    if rows.numel():
-        k, p = (None if x is None else x[rows] for x in (top_k, top_p))
-        tokens[rows] = seeded_logits(logits[rows], temperature[rows].float(), k, p, seeds[rows],
-                                     positions[rows]).argmax(dim=-1)
-    return tokens
+    return seeded_rows(logits, temperature.float(), top_k, top_p, seeds, positions).argmax(dim=-1)
 
 
 class DSparkAttention(Attention):

@@ -97,23 +97,17 @@ class DraftLengthPolicy:
 
     def coupled_tokens(self, logits: torch.Tensor, sampling_metadata) -> torch.Tensor:
         """Batch-invariant mode: this step's draft tokens [B] from draft logits [B, V]: the Gumbel-max draw with
-        the noise the target's seeded sampler uses at the draft's position (`seeded_logits`), so a draft whose
+        the noise the target's seeded sampler uses at the draft's position (`seeded_rows`), so a draft whose
         distribution matches the target's draws the target's token; greedy rows take the argmax."""
-        from vllm_deepinfer.serving.seeded_sampling import seeded_logits
+        from vllm_deepinfer.serving.seeded_sampling import seeded_rows
 
-        tokens = logits.argmax(dim=-1)
-        b = tokens.shape[0]
-        temperature = sampling_metadata.temperature
-        if sampling_metadata.all_greedy or temperature is None:
-            return tokens
-        rows = torch.nonzero(temperature[:b] > 0).flatten()
-        if rows.numel() == 0:
-            return tokens
-        k, p = (None if x is None else x[:b][rows] for x in (sampling_metadata.top_k, sampling_metadata.top_p))
-        cpu_rows = rows.cpu()
-        pos = self.first_pos[cpu_rows] + len(self._probs)
-        tokens[rows] = seeded_logits(logits[rows], temperature[:b][rows], k, p, self.seeds[cpu_rows], pos).argmax(-1)
-        return tokens
+        if sampling_metadata.all_greedy or sampling_metadata.temperature is None:
+            return logits.argmax(dim=-1)
+        b = logits.shape[0]
+        temperature, k, p = (None if x is None else x[:b] for x in
+                             (sampling_metadata.temperature, sampling_metadata.top_k, sampling_metadata.top_p))
+        pos = self.first_pos + len(self._probs)
+        return seeded_rows(logits, temperature, k, p, self.seeds, pos).argmax(dim=-1)
 
     def exhausted(self) -> bool:
         """Varlen on, steps left, and no request's latest slot pays (so no later slot does either)."""
