@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -77,8 +78,34 @@ def run_mode(args: argparse.Namespace) -> dict:
                        per_position=[x / d["num_drafts"] for x in d["num_accepted_tokens_per_pos"]],
                        mean_verified=d["num_draft_tokens"] / d["num_drafts"])
         results.append(row)
-        print(json.dumps({"mode": args.mode, **row}), flush=True)
+        print(json.dumps({"mode": args.mode, "row": row}), flush=True)
     return {"mode": args.mode, "method": method, "k": args.k, "model": args.model, "results": results}
+
+
+def run_child(mode: str, args: argparse.Namespace, out: Path) -> dict:
+    """One mode in its own process group, at most --mode-timeout s; the rows it printed count even if it is killed."""
+    env = dict(os.environ, DEEPINFER_ENABLE_MTP_VARLEN="1" if mode == "varlen" else "0")
+    if mode.startswith("intree"):
+        env["DEEPINFER_DISABLE"] = "1"
+    argv = [sys.executable, __file__, *sys.argv[1:], "--mode", mode]
+    log = out / f"{mode}.log"
+    error = None
+    with open(log, "w") as f:
+        proc = subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=args.mode_timeout)
+            error = f"failed (rc {rc}), see {log}" if rc else None
+        except subprocess.TimeoutExpired:  # the engine core is a grandchild: kill the whole group
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            error = f"killed after {args.mode_timeout:.0f} s, see {log}"
+    lines = log.read_text(errors="replace").splitlines()
+    final = [l for l in lines if l.startswith("RESULT ")]
+    if final and not error:
+        return json.loads(final[-1][len("RESULT "):])
+    rows = [json.loads(l)["row"] for l in lines if l.startswith('{"mode"')]
+    print(f"{mode}: {error}", file=sys.stderr)
+    return {"mode": mode, "k": args.k, "model": args.model, "results": rows, "error": error}
 
 
 def main() -> None:
@@ -93,6 +120,8 @@ def main() -> None:
     p.add_argument("--gpu-util", type=float, default=0.85)
     p.add_argument("--intree", action="store_true",
                    help="also vLLM's in-tree model (DEEPINFER_DISABLE=1): fixed, and adaptive verification for DSpark")
+    p.add_argument("--modes", type=lambda s: s.split(","), help="comma list of modes (default: all that apply)")
+    p.add_argument("--mode-timeout", type=float, default=240, help="seconds per mode (engine start included)")
     p.add_argument("--device-smoke", action="store_true", help="CPU smoke run: eager, fp32, small sizes")
     p.add_argument("--mode", choices=["off", "fixed", "varlen", "intree", "intree-varlen"], help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -106,25 +135,16 @@ def main() -> None:
     from vllm_deepinfer.serving.settings import draft_method
 
     intree = ["intree"] + (["intree-varlen"] if draft_method(args.model) == "dspark" else [])
-    modes = ["off", "fixed", "varlen"] + (intree if args.intree else [])
+    modes = args.modes or ["off", "fixed", "varlen"] + (intree if args.intree else [])
     summary = []
     for mode in modes:
-        env = dict(os.environ, DEEPINFER_ENABLE_MTP_VARLEN="1" if mode == "varlen" else "0")
-        if mode.startswith("intree"):
-            env["DEEPINFER_DISABLE"] = "1"
-        argv = [sys.executable, __file__, *sys.argv[1:], "--mode", mode]
-        log = out / f"{mode}.log"
-        with open(log, "w") as f:
-            proc = subprocess.run(argv, env=env, stdout=subprocess.PIPE, stderr=f, text=True)
-        lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-        if proc.returncode or not lines:
-            print(f"{mode}: failed (rc {proc.returncode}), see {log}", file=sys.stderr)
-            continue
-        summary.append(json.loads(lines[-1][len("RESULT "):]))
-    (out / "spec_decode.json").write_text(json.dumps(summary, indent=2) + "\n")
+        summary.append(run_child(mode, args, out))
+        (out / "spec_decode.json").write_text(json.dumps(summary, indent=2) + "\n")  # kept if a later mode hangs
     base = {r["batch"]: r["per_user_tok_s"] for s in summary if s["mode"] == "off" for r in s["results"]}
     print(f"{'mode':13} {'batch':>5} {'tok/s/user':>11} {'vs off':>7} {'accept':>7} {'verified':>8}")
     for s in summary:
+        if s.get("error"):
+            print(f"{s['mode']:13} {s['error']}")
         for r in s["results"]:
             ratio = r["per_user_tok_s"] / base[r["batch"]] if r["batch"] in base else float("nan")
             print(f"{s['mode']:13} {r['batch']:>5} {r['per_user_tok_s']:>11.1f} {ratio:>7.2f} "

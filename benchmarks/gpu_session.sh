@@ -15,7 +15,8 @@
 #       make_checkpoint --preset full-width: in-tree (eager) || the plugin with CUDA graphs, exact and parity
 #   bash benchmarks/gpu_session.sh engram BUDGET_S  # one GPU: DEEPINFER_ENGRAM_DEVICE=host vs gpu, CUDA graphs
 #   bash benchmarks/gpu_session.sh spec BUDGET_S [ARCH] [DRAFTER]  # one GPU: bench_spec_decode.py on a tiny-gpu
-#       checkpoint (v4.1-flash / v4-flash; --drafter reproduce / noise): off, fixed, varlen, in-tree (reproduce)
+#       checkpoint (v4.1-flash / v4-flash; --drafter reproduce / noise): off, fixed, varlen, in-tree (reproduce);
+#       MODES=off,fixed picks modes, MODE_T caps each mode's seconds (engine start included)
 #   bash benchmarks/gpu_session.sh invariant BUDGET_S  # one GPU, ~8 min: tests/gpu/test_batch_invariance_gpu.py
 #       (V1 runner, CASES=200; TESTS=... picks others) then bench_e2e --invariant (decode 1/16/64 + prefill)
 #   bash benchmarks/gpu_session.sh tp BUDGET_S      # two GPUs: tensor_parallel_size 2 vs 1, CUDA graphs
@@ -267,10 +268,11 @@ spec_session() {  # BUDGET_S [ARCH] [DRAFTER], one GPU (issue 11): a tiny-gpu ch
     --out $ckpt > "$LOGS/make_spec.log" 2>&1 || { tail -5 "$LOGS/make_spec.log"; exit 1; }
   timeout $((budget - (SECONDS - t0) - 15)) python3 benchmarks/bench_spec_decode.py --model $ckpt \
     --out "$LOGS/spec-$arch-$drafter" --k ${K:-5} --batches ${BATCHES:-1,8,32} --new-tokens ${NEW:-128} \
-    $([ "$drafter" = reproduce ] && echo --intree) > "$OUT/spec_${arch}_${drafter}.out" 2>&1
+    $([ "$drafter" = reproduce ] && echo --intree) ${MODES:+--modes $MODES} --mode-timeout ${MODE_T:-240} \
+    > "$OUT/spec_${arch}_${drafter}${MODES:+_${MODES//,/-}}.out" 2>&1
   echo "spec bench rc=$? t=$((SECONDS - t0)) s"
-  tail -16 "$OUT/spec_${arch}_${drafter}.out"
-  cp "$LOGS/spec-$arch-$drafter/spec_decode.json" "$OUT/spec_${arch}_${drafter}.json" 2>/dev/null
+  tail -16 "$OUT/spec_${arch}_${drafter}${MODES:+_${MODES//,/-}}.out"
+  cp "$LOGS/spec-$arch-$drafter/spec_decode.json" "$OUT/spec_${arch}_${drafter}${MODES:+_${MODES//,/-}}.json" 2>/dev/null
   pack_logs
 }
 
