@@ -83,3 +83,35 @@ def test_retained_sub_batch_keeps_decodes_and_span_tails():
     assert [(s.req, s.start, s.end, s.first_pos, s.replay_from) for s in kept.batch.spans] == [
         (2, 2, 7, 105, 105), (4, 7, 13, 50, 20)]
     assert StepBatch(positions, positions, spans[2:], None, n_dec=2).retained() is None  # nothing dropped
+
+
+
+def _per_token(counts: list[int], seq_lens: list[int], t: int):
+    """StepBatch of a per-token step: requests with `counts` query tokens, `t` tokens (graph padding after)."""
+    from vllm_deepinfer.attention.backend import PagedCacheMetadata
+    from vllm_deepinfer.models.step import StepBatch
+
+    r = len(counts)
+    qsl = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
+    meta = PagedCacheMetadata(torch.arange(1, r + 1, dtype=torch.int32).view(r, 1), qsl, torch.tensor(seq_lens),
+                              64, r, sum(counts), True, 128, query_start_loc_device=qsl)
+    positions = torch.zeros(t, dtype=torch.long)
+    return StepBatch.from_metadata(positions, positions, {"layers.0.window_cache": meta})
+
+
+def test_verification_step_takes_the_per_token_path_with_padding_dead():
+    """Verification of 2 drafts for 3 requests, graph-padded to 4 requests / 12 tokens: each token finds its
+    request from the device query offsets, the padding request (no token, length 0) is not live, no span."""
+    batch = _per_token([3, 3, 3, 0], [20, 7, 33, 0], 12)
+    assert batch.spans == [] and batch.prefill is None and batch.n_dec == 12
+    assert batch.req.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
+    assert batch.live.tolist() == [True] * 9 + [False] * 3
+
+
+def test_varlen_and_decode_steps_take_the_per_token_path():
+    """Trimmed drafts (1, 4, 2 tokens) and plain decode (one token each, two tokens of padding past the last
+    request): the tokens beyond the step's last offset are dead even where no padding request exists."""
+    varlen = _per_token([1, 4, 2], [9, 40, 12], 7)
+    assert varlen.req.tolist() == [0, 1, 1, 1, 1, 2, 2] and all(varlen.live.tolist())
+    decode = _per_token([1, 1, 1], [5, 6, 7], 5)
+    assert decode.req.tolist() == [0, 1, 2, 2, 2] and decode.live.tolist() == [True, True, True, False, False]

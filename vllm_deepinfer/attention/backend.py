@@ -6,10 +6,12 @@ with its own block size; the builder hands every layer its group's block table p
 layout, and the model addresses rows itself from (request, position), so one mechanism serves
 prefill, chunked prefill, decode and recompute after preemption.
 
-Uniform decode steps (one token per request) take the model's fixed-shape path, which reads only
-device tensors that vLLM keeps in persistent buffers (block table, sequence lengths), so vLLM can
-capture them as full CUDA graphs (`UNIFORM_SINGLE_TOKEN_DECODE`). Padded requests of a captured
-batch have sequence length 0 and block-table rows of the null block 0.
+Steps whose requests have at most 1 + k query tokens each (decode: 1; the verification of up to k
+drafts per request) take the model's fixed-shape per-token path, which reads only device tensors that
+vLLM keeps in persistent buffers (block table, query start offsets, sequence lengths), so vLLM can
+capture the uniform ones as full CUDA graphs (`UNIFORM_BATCH`; the V2 runner's varlen decode graphs
+fit too). Padded requests of a captured batch have no query token, sequence length 0 and block-table
+rows of the null block 0.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from vllm.v1.attention.backend import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
     MultipleOf,
+    max_decode_query_len,
 )
 
 
@@ -36,7 +39,9 @@ class PagedCacheMetadata:
     block_table: [R, max_blocks] block ids of the group; query_start_loc: [R + 1] (CPU);
     seq_lens: [R] tokens of each request after this step (device); seq_lens_cpu: its host copy where
     vLLM provides one (exact for the prefill rows, which are the only rows read from it); block_size: tokens per block;
-    decode: every request has exactly one query token (token i belongs to request i);
+    per_token: no request of the step has more query tokens than the widest verification (1 + k drafts;
+    1 without speculation): the step takes the model's per-token path, which finds each token's request
+    in `query_start_loc_device` [R + 1] (trailing requests with no token are graph padding);
     max_model_len: bound of every position (fixes the decode path's shapes);
     prompt_lens: prompt length of each request (host ints; -1 = run every layer on every token, e.g. for
     prompt logprobs), None where the runner gave none (bounded replay then runs every request in full).
@@ -48,10 +53,11 @@ class PagedCacheMetadata:
     block_size: int
     num_reqs: int
     num_tokens: int
-    decode: bool
+    per_token: bool
     max_model_len: int
     seq_lens_cpu: torch.Tensor | None = None
     prompt_lens: tuple[int, ...] | None = None
+    query_start_loc_device: torch.Tensor | None = None
 
 
 _step_prompt_lens: list[int] | None = None
@@ -71,13 +77,14 @@ def step_prompt_lens(lens: list[int]) -> Iterator[None]:
 
 
 class PagedCacheMetadataBuilder(AttentionMetadataBuilder[PagedCacheMetadata]):
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
     reorder_batch_threshold: ClassVar[int | None] = 1  # one-token requests first: the model's fixed-shape prefix
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.block_size = kv_cache_spec.block_size
         self.max_model_len = vllm_config.model_config.max_model_len
+        self.widest_per_token = max_decode_query_len(vllm_config)  # 1 + k with k speculative tokens, else 1
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> PagedCacheMetadata:
@@ -91,10 +98,11 @@ class PagedCacheMetadataBuilder(AttentionMetadataBuilder[PagedCacheMetadata]):
             block_size=self.block_size,
             num_reqs=r,
             num_tokens=m.num_actual_tokens,
-            decode=m.max_query_len == 1,
+            per_token=m.max_query_len <= self.widest_per_token,
             max_model_len=self.max_model_len,
             seq_lens_cpu=None if m.seq_lens_cpu_upper_bound is None else m.seq_lens_cpu_upper_bound[:r],
             prompt_lens=None if lens is None else tuple(lens[:r]) + (-1,) * (r - len(lens)),
+            query_start_loc_device=m.query_start_loc[: r + 1],
         )
 
 

@@ -164,19 +164,20 @@ class StepBatch:
     token_ids/positions: [T]; `topk[l]`: [T, k] compressed-row ids selected by index source l
     (-1 = none); `candidates[l]`: [T, n_blocks] candidate block ids published by layer l.
 
-    The first `n_dec` tokens belong to one-token requests (vLLM orders decodes first): token i is
-    request i, and every layer handles them with its fixed-shape path (`req` [n_dec] block-table
-    rows, `live` [n_dec] False for the padding of a captured CUDA graph), which reads no host copy of
-    the batch layout. `spans` are the remaining requests (prefill chunks), all handled at once
-    through `prefill` (None when there are none: a uniform decode step, what vLLM captures as a full
-    CUDA graph). Tokens after the last span (padding) belong to no request.
+    The first `n_dec` tokens take every layer's fixed-shape per-token path (`req` [n_dec] block-table
+    row of each token, `live` [n_dec] False for the padding of a captured CUDA graph), which reads no
+    host copy of the batch layout: in a mixed step the one-token requests (vLLM orders decodes first;
+    token i is request i); in a step of at most 1 + k tokens per request (decode, or the verification of
+    up to k drafts: `PagedCacheMetadata.per_token`) every token. The path writes every
+    token's cache rows before reading any, so a request's earlier tokens of the step are visible to its
+    later ones. `spans` are the remaining requests (prefill chunks), all handled at once through
+    `prefill` (None when there are none: a per-token step, what vLLM captures as a full CUDA graph).
+    Tokens after the last span (padding) belong to no request.
 
     Batch-invariant mode (`ops.batch_invariant()`): every token takes the fixed-shape per-token path
     (`req[i]` = the request of token i, `spans` empty; bounded replay is off), so a
     token's keys, index scores, selection and pooled groups are computed by the same ops in the same
-    order whether it is decoded, prefilled, or recomputed, and whatever chunk it falls in. The path writes
-    every token's cache rows before reading any, so a request's earlier tokens of the same step are
-    visible to its later ones.
+    order whether it is decoded, prefilled, or recomputed, and whatever chunk it falls in.
     """
 
     token_ids: torch.Tensor
@@ -202,7 +203,7 @@ class StepBatch:
 
     @property
     def dec_positions(self) -> torch.Tensor:
-        """Positions of the one-token requests, [n_dec] int64."""
+        """Positions of the per-token path's tokens, [n_dec] int64."""
         return self.positions[: self.n_dec].long()
 
     def assemble(self, dec: torch.Tensor | None, prefill: torch.Tensor | None, fill: float = 0.0) -> torch.Tensor:
@@ -257,15 +258,22 @@ class StepBatch:
             attn_metadata = get_forward_context().attn_metadata
         if isinstance(attn_metadata, list):  # micro-batching is not used by this model
             attn_metadata = attn_metadata[0] if attn_metadata else None
+        return cls.from_metadata(token_ids, positions, attn_metadata, replay_keep)
+
+    @classmethod
+    def from_metadata(cls, token_ids: torch.Tensor, positions: torch.Tensor,
+                      attn_metadata: dict[str, PagedCacheMetadata] | None,
+                      replay_keep: int | None = None) -> "StepBatch":
+        """The step's layout from its per-cache metadata (`from_forward_context`)."""
         if not attn_metadata:
             return cls(token_ids, positions, [], None)
         meta = next(iter(attn_metadata.values()))
         t, dev = token_ids.shape[0], token_ids.device
-        if meta.decode and meta.block_table.shape[0] >= t:  # uniform decode, possibly graph-padded
-            n = min(t, meta.seq_lens.shape[0])
-            live = torch.zeros(t, dtype=torch.bool, device=dev)
-            live[:n] = meta.seq_lens[:n] > 0
-            return cls(token_ids, positions, [], attn_metadata, n_dec=t, req=torch.arange(t, device=dev), live=live)
+        if meta.per_token and meta.query_start_loc_device is not None:  # decode / verification, maybe graph-padded
+            qsl, i = meta.query_start_loc_device, torch.arange(t, device=dev)
+            req = torch.searchsorted(qsl[1:], i.to(qsl.dtype), right=True).clamp(max=meta.num_reqs - 1)
+            live = (i < qsl[-1]) & (meta.seq_lens[req] > 0)
+            return cls(token_ids, positions, [], attn_metadata, n_dec=t, req=req.long(), live=live)
         qsl = meta.query_start_loc[: meta.num_reqs + 1]                 # host tensor
         if ops.batch_invariant():
             counts = qsl[1:] - qsl[:-1]

@@ -6,9 +6,12 @@ and resolves the default mode to FULL_AND_PIECEWISE. The breakable PIECEWISE wra
 whole model with dummy one-token-per-request batches and replays that graph for any batch of up to
 the largest capture size, including prefill and mixed batches (`vllm/v1/worker/gpu/cudagraph_utils.py`
 dispatch; `compilation/breakable_cudagraph.py` splits only at ops marked for it). Our model's
-fixed-shape path is only valid for one token per request; prefill and mixed steps take a per-request
-path with host synchronisation, which must run eagerly. FULL_DECODE_ONLY is exactly that: full graphs
-for uniform decode, eager otherwise (no descriptor for mixed batches).
+fixed-shape per-token path serves only steps of at most 1 + k tokens per request (decode, or the
+verification of up to k drafts); prefill and mixed steps take a per-request path with host
+synchronisation, which must run eagerly. FULL_DECODE_ONLY is exactly that: full graphs for uniform
+steps of vLLM's `uniform_decode_query_len` (1 + num_speculative_tokens), eager otherwise (no
+descriptor for mixed batches). On the V1 runner a verification step whose drafts were trimmed
+(varlen) is not uniform and runs the per-token path eagerly.
 
 Hook: `MODELS_CONFIG_MAP` (`vllm/model_executor/models/config.py`), called by
 `VllmConfig.try_verify_and_update_config` before the compilation defaults are filled in. Our entry
