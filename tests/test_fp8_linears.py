@@ -42,6 +42,25 @@ def test_packed_linear_equals_dequantised(dtype):
     assert torch.equal(packed(x), quant.act_roundtrip(x.to(dtype), 32) @ plain.weight.t())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_stacked_group_equals_its_members(dtype):
+    """`fuse_outputs` (wq_a|wkv, shared w1|w3): after loading, the packed group multiplies as one stacked
+    matrix whose column slices equal each member's own product; a member called alone is refused."""
+    torch.manual_seed(0)
+    lead_plain, lead = _pair(96, 128, 32, dtype)
+    other_plain, other = _pair(64, 128, 32, dtype)
+    lead.fuse_outputs(other)
+    lead.finish_loading()
+    other.finish_loading()  # a member's own call is a no-op: the group is built at its first linear
+    assert lead.fused_sizes == [96, 64] and lead.weight.shape == (160, 128) and other.weight is None
+    x = torch.randn(7, 128)
+    a, b = lead.forward_group(x)
+    assert torch.equal(a, lead_plain(x)) and torch.equal(b, other_plain(x))
+    for member in (lead, other):
+        with pytest.raises(RuntimeError, match="stacked GEMM"):
+            member(x)
+
+
 @pytest.mark.parametrize("block,n,k", [(32, 96, 128), (128, 200, 384), (128, 64, 96)])
 def test_mx_scales_dequantise_exactly(block, n, k):
     """The MXFP8 scales Marlin is fed (one byte per 1 x 32 group) dequantise to the block-FP8 weight bitwise,

@@ -28,6 +28,8 @@ from vllm_deepinfer.ops import quant
 
 
 class Attention(nn.Module):
+    queries_and_keys_share_input = True  # wq_a and wkv read the same x
+
     def __init__(self, arch: ArchConfig, plan: LayerPlan, rope: RotaryTable, prefix: str, page_bytes: int):
         super().__init__()
         self.plan, self.rope = plan, rope
@@ -37,7 +39,8 @@ class Attention(nn.Module):
         self.wq_b = ColumnLinear(arch.q_lora_rank, h * d, prefix=f"{prefix}.wq_b")
         self.wkv = Linear(arch.hidden_size, d, prefix=f"{prefix}.wkv")
         self.kv_norm = RMSNorm(d, arch.rms_norm_eps)
-        self.wq_a.fuse_outputs(self.wkv)  # both read x: one GEMM where Marlin serves them (in-tree: fused_wqa_wkv)
+        if self.queries_and_keys_share_input:  # one GEMM where Marlin serves both (in-tree: fused_wqa_wkv)
+            self.wq_a.fuse_outputs(self.wkv)
         self.wo_a = ColumnLinear(h * d // arch.o_groups, arch.o_groups * arch.o_lora_rank, prefix=f"{prefix}.wo_a")
         self.wo_b = RowLinear(arch.o_groups * arch.o_lora_rank, arch.hidden_size, prefix=f"{prefix}.wo_b")
         tp = self.wq_b.tp_size

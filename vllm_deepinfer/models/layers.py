@@ -4,7 +4,8 @@ Checkpoint weights are dequantised once at load time (FP8 block / MXFP4 -> model
 FP8 block linears when packed storage is selected (`DEEPINFER_FP8_LINEARS`, `auto` = packed on CUDA;
 `pack_fp8_linears`): those keep the checkpoint's E4M3 codes and E8M0 scale bytes. On CUDA with bf16/fp16
 activations they are repacked after loading for vLLM's Marlin W8A16 GEMM (`ops.marlin.MarlinFP8`, the
-kernel of vLLM's in-tree V4.1 on SM90); elsewhere they multiply through `ops.linear_fp8_block`.
+kernel of vLLM's in-tree V4.1 on SM90), except the thin matrices where our Triton GEMM is faster
+(`ops.marlin.faster_than_triton`); those and every other platform multiply through `ops.linear_fp8_block`.
 """
 
 from __future__ import annotations
@@ -82,47 +83,50 @@ class _DeepInferLinear:
         self.block = (block, block)
 
     def fuse_outputs(self, *others: "_DeepInferLinear") -> None:
-        """Declare that `others` read this linear's input: after loading, where Marlin serves all of them,
-        they multiply as one GEMM of the stacked matrix [N + sum N_o, K] (`forward_group`). Marlin leaves
-        most of the GPU idle on thin matrices (wkv 512 x 5120: 19 us against 12 us for wq_a 1280 x 5120
-        on the H200, benchmarks/results/gpu_e2e/2026-12-01b/bench_linears.log), as vLLM's in-tree
+        """Declare that `others` read this linear's input: after loading, where all of them are packed
+        FP8 alike, they multiply as one GEMM of the stacked matrix [N + sum N_o, K] (`forward_group`).
+        Thin matrices leave most of the GPU idle (wkv 512 x 5120 on Marlin: 19.7 us against 12.7 us for
+        wq_a|wkv stacked on the H200, benchmarks/results/gpu-1202/bench_linears.log), as vLLM's in-tree
         `fused_wqa_wkv` and `gate_up_proj` avoid."""
         self.fused_with = others
         for o in others:
             o.fused_away = True
 
     def _marlin_serves(self) -> bool:
-        """Whether this packed linear moves to Marlin's layout (see `finish_loading`)."""
-        return (self.scale is not None and self.groups == 1 and not ops.batch_invariant()
-                and marlin.supported(self.weight.device, self._packed_dtype, self.weight.shape[1], self.block))
+        """Whether this packed linear (or the stack it leads) moves to Marlin's layout (`finish_loading`)."""
+        if self.scale is None or self.groups != 1 or ops.batch_invariant():
+            return False
+        k, dev = self.weight.shape[1], self.weight.device
+        return (marlin.supported(dev, self._packed_dtype, k, self.block)
+                and marlin.faster_than_triton(self.weight.shape[0], k, dev))
 
     def _to_marlin(self) -> None:
         self.marlin = marlin.MarlinFP8.from_packed(self.weight.data, self.scale.data, self.block, self._packed_dtype)
         self.weight = self.scale = None
 
     def finish_loading(self) -> None:
-        """After the loader filled a packed weight: move it to Marlin's layout where Marlin serves it (CUDA,
-        bf16/fp16 activations, K on 32-element groups), freeing the E4M3 codes and block bytes. The grouped
-        `wo_a` stays on `ops.linear_fp8_block` (one launch for all groups: 41 vs 105 us for the 8 Marlin
-        calls at V4.1 widths on the H200, benchmarks/results/gpu_e2e/2026-12-01b/bench_linears.log), and so
-        does every linear in batch-invariant mode (Marlin picks its kernel configuration by M).
-
-        `fuse_outputs` groups convert at their first linear's call (every weight is loaded by then), as one
-        stacked matrix when all members are served and every split falls on a scale block."""
-        if self.fused_away or not self._marlin_serves():
+        """After the loader filled a packed weight: stack a `fuse_outputs` group whose members are packed
+        alike with every split on a scale block (at its first linear's call: every weight is loaded by
+        then), and move each matrix to Marlin's layout where Marlin serves it and beats our Triton GEMM
+        (`_marlin_serves`: CUDA, bf16/fp16 activations, K on 32-element groups, not thin), freeing the
+        E4M3 codes and block bytes. The grouped `wo_a` stays on `ops.linear_fp8_block` (one launch for all
+        groups: 24.8 vs 104 us for the 8 Marlin calls at V4.1 widths, T = 1, on the H200), and so does every
+        linear in batch-invariant mode (Marlin picks its kernel configuration by M)."""
+        if self.fused_away or self.scale is None:
             return
         members = (self,) + self.fused_with
         k, (bn, _) = self.weight.shape[1], self.block
-        if self.fused_with and all(m._marlin_serves() and m.weight.shape[1] == k and m.block == self.block
-                                   and m.act_block == self.act_block for m in self.fused_with) \
+        if self.fused_with and self.groups == 1 \
+                and all(m.scale is not None and m.groups == 1 and m.weight.shape[1] == k and m.block == self.block
+                        and m.act_block == self.act_block for m in self.fused_with) \
                 and all(m.weight.shape[0] % bn == 0 for m in members[:-1]):
             self.fused_sizes = [m.weight.shape[0] for m in members]
             w = torch.cat([m.weight.data for m in members])
             s = torch.cat([m.scale.data for m in members])
-            self.marlin = marlin.MarlinFP8.from_packed(w, s, self.block, self._packed_dtype)
-            for m in members:
+            for m in self.fused_with:
                 m.weight = m.scale = None
-            return
+            self.weight = nn.Parameter(w, requires_grad=False)
+            self.scale = nn.Parameter(s, requires_grad=False)
         for m in members:
             if m._marlin_serves():
                 m._to_marlin()
@@ -135,6 +139,13 @@ class _DeepInferLinear:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, G*K] -> x W^T [T, N] on this rank's shard, without activation quantisation or collective;
         G = `groups` > 1: the block-diagonal product of `ops.linear` (x group g times rows g*N/G.. of W)."""
+        if self.fused_sizes is not None or (self.weight is None and self.marlin is None):
+            raise RuntimeError(f"{self.prefix}: multiplied as part of a stacked GEMM (fuse_outputs): call the "
+                               "group's forward_group")
+        return self._product(x)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T with whatever this linear holds (the stacked matrix for a stacked group's first linear)."""
         if self.marlin is not None:
             return self.marlin(x)
         if self.scale is not None:
@@ -154,7 +165,7 @@ class _DeepInferLinear:
         """`matmul` of this linear and of its `fuse_outputs` linears: x [T, K] -> ([T, N], [T, N_o]...),
         column slices of one GEMM's output when the group was stacked at load."""
         if self.fused_sizes is not None:
-            return self.marlin(x).split(self.fused_sizes, dim=-1)
+            return self._product(x).split(self.fused_sizes, dim=-1)
         return (self.matmul(x),) + tuple(o.matmul(x) for o in self.fused_with)
 
     def forward_group(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -38,6 +38,22 @@ def supported(device: torch.device, dtype: torch.dtype, k: int, block: tuple[int
     return is_fp8_marlin_supported()
 
 
+def faster_than_triton(n: int, k: int, device: torch.device) -> bool:
+    """Whether Marlin beats our Triton FP8 block GEMM (`kernels_nvidia.gemm`) on an [N, K] matrix: not on the
+    thin ones, where the Triton kernel splits K (`split_k` > 1: its N tiles fill under half of the SMs, which
+    leaves Marlin's grid as idle). H200, V4.1 widths, T = 1 / 16 / 64 rows (2026-12-02,
+    benchmarks/results/gpu-1202/bench_linears.log): wq_a|wkv 11.0 / 11.0 / 12.0 us (Triton) vs 12.7 / 13.5 /
+    21.7 (Marlin), indexer wq_b 7.3 / 7.3 / 8.4 vs 8.2 / 8.5 / 12.6; on every unsplit matrix Marlin wins
+    (wq_b 17.4 vs 28.6 us, wo_b 19.5 vs 48.3, shared w1|w3 15.0 vs 30.6 at T = 1)."""
+    import kernels_nvidia
+
+    if not kernels_nvidia.available():
+        return True
+    from kernels_nvidia.gemm import split_k
+
+    return split_k(n, k, device) == 1
+
+
 class MarlinFP8(nn.Module):
     """One FP8 matrix W [N, K] in Marlin's layout; `forward(x)`: x [T, K] -> x W^T [T, N] in x.dtype.
     Build with `from_packed` from the E4M3 codes and E8M0 block bytes."""

@@ -120,6 +120,8 @@ class DSparkAttention(Attention):
     """Attention of a DSpark stage (m = 0, main RoPE table): context KV from the target's features and the
     block forward, non-causal inside the block."""
 
+    queries_and_keys_share_input = False  # keys from the target's features, queries from the block
+
     def _keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: [T, D] -> window KV rows [T, d] (RoPE at the rows' positions)."""
         kv = ops.apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
