@@ -12,7 +12,7 @@ MODELS = {
 MODEL_TYPES = ("deepseek_v4", "deepseek_v41")
 #: Draft architectures vLLM's speculative config gives our targets: `method="mtp"` on a deepseek_v4 target
 #: (model_type rewritten to "deepseek_mtp") -> DeepSeekV4MTPModel; `method="dspark"` on deepseek_v41 ->
-#: DSparkV41DraftModel (patches/dspark_v1.py lets the V1 runner run it).
+#: DSparkV41DraftModel (patches/drafters_v1.py lets the V1 runner run it).
 DRAFT_MODELS = {
     "DeepSeekV4MTPModel": "vllm_deepinfer.spec_decode.mtp:DeepseekV4MTP",
     "DSparkV41DraftModel": "vllm_deepinfer.spec_decode.dspark:DSparkDrafter",

@@ -31,4 +31,4 @@ def apply_all() -> None:
     importlib.import_module("vllm_deepinfer.patches.decode_cudagraphs").apply()
     importlib.import_module("vllm_deepinfer.patches.seeded_sampler").apply()
     importlib.import_module("vllm_deepinfer.patches.speculative_settings").apply()
-    importlib.import_module("vllm_deepinfer.patches.dspark_v1").apply()
+    importlib.import_module("vllm_deepinfer.patches.drafters_v1").apply()

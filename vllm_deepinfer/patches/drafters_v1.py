@@ -1,17 +1,24 @@
-"""DSpark (`--speculative-config '{"method": "dspark", ...}'`) for DeepInfer's V4.1 on vLLM's V1 model runner.
+"""DeepInfer's drafters on vLLM's V1 model runner: DSpark always, MTP when it needs the V1 hooks.
 
-Reason: vLLM 0.32 implements DSpark only in the V2 runner, which needs Triton (not on the CPU build), and
-refuses it on V1 with "Model Runner V1 does not support: dspark speculative decoding"
-(`VllmConfig._get_v1_model_runner_unsupported_features`, `vllm/config/vllm.py`); `method="mtp"` is refused for
-V4.1 targets in `SpeculativeConfig.__post_init__`. The V1 runner picks its proposer in
-`GPUModelRunner.__init__` (`use_eagle()` includes dspark: an `EagleProposer`). Two wraps, both active only when
-the draft architecture is DeepInfer's drafter (`DSparkV41DraftModel` registered to
-`vllm_deepinfer.spec_decode.dspark:DSparkDrafter` and a DeepInfer target):
+Reason (DSpark, `--speculative-config '{"method": "dspark", ...}'` on DeepInfer's V4.1): vLLM 0.32 implements
+DSpark only in the V2 runner, which needs Triton (not on the CPU build), and refuses it on V1 with "Model
+Runner V1 does not support: dspark speculative decoding" (`VllmConfig._get_v1_model_runner_unsupported_features`,
+`vllm/config/vllm.py`); `method="mtp"` is refused for V4.1 targets in `SpeculativeConfig.__post_init__`. The V1
+runner picks its proposer in `GPUModelRunner.__init__` (`use_eagle()` includes dspark: an `EagleProposer`).
 
-* the V1 refusal list drops that one entry, and the V2 list gains "DeepInfer's DSpark drafter" (the V2
-  `DSparkSpeculator` expects vLLM's own draft model surface), so vLLM picks V1 on GPU too (or refuses V2 by name
-  when `VLLM_USE_V2_MODEL_RUNNER=1`);
-* after `GPUModelRunner.__init__` (inherited by `CPUModelRunner`) the runner's drafter is our
+Reason (MTP on DeepInfer's V4): the draft-length policy (varlen, early stop) and the batch-invariant mode's
+coupled drafts hook V1's `SpecDecodeBaseProposer` (`patches/draft_lengths.py`); the V2 runner, vLLM's default
+on CUDA, drives the MTP block through its own speculator and would silently verify fixed, uncoupled drafts.
+So when varlen (`DEEPINFER_ENABLE_MTP_VARLEN`, `enable_adaptive_verification`) or batch-invariant mode is on,
+MTP runs on V1 too; fixed-length MTP keeps vLLM's runner choice.
+
+Three wraps, each active only for DeepInfer's target and drafter:
+
+* the V1 refusal list drops the dspark entry and "adaptive draft verification" (`enable_adaptive_verification`
+  maps onto our draft-length policy, `spec_decode.proposer.policy_for`), and the V2 list gains "DeepInfer's DSpark drafter" (the V2
+  `DSparkSpeculator` expects vLLM's own draft model surface) or "DeepInfer's MTP drafter with ...", so vLLM picks
+  V1 on GPU too (or refuses V2 by name when `VLLM_USE_V2_MODEL_RUNNER=1`);
+* after `GPUModelRunner.__init__` (inherited by `CPUModelRunner`) the DSpark runner's drafter is our
   `spec_decode.dspark_proposer.DSparkProposer`, an `EagleProposer` subclass, so the runner's isinstance checks and
   its eagle code path (input preparation, draft KV group, `propose`) apply unchanged.
 """
@@ -21,19 +28,38 @@ from __future__ import annotations
 import functools
 
 V1_REFUSAL = "dspark speculative decoding"
+V1_ADAPTIVE = "adaptive draft verification"  # our draft-length policy implements it on V1
 V2_GAP = "DeepInfer's DSpark drafter"
+V2_GAP_MTP = "DeepInfer's MTP drafter with varlen or batch-invariant drafts"
 DRAFT_ARCH = "DSparkV41DraftModel"
+MTP_ARCH = "DeepSeekV4MTPModel"
+
+
+def _deepinfer_drafter(vllm_config, method: str, arch: str) -> bool:
+    """Whether `vllm_config` speculates with `method` through DeepInfer's drafter `arch` on a DeepInfer target."""
+    from vllm_deepinfer.registry import DRAFT_MODELS, is_deepinfer_model
+
+    spec = vllm_config.speculative_config
+    if spec is None or spec.method != method or spec.draft_model_config is None:
+        return False
+    archs = spec.draft_model_config.hf_config.architectures or []
+    return arch in archs and arch in DRAFT_MODELS and is_deepinfer_model(vllm_config.model_config)
 
 
 def deepinfer_dspark(vllm_config) -> bool:
     """Whether `vllm_config` runs DSpark with DeepInfer's target and drafter."""
-    from vllm_deepinfer.registry import DRAFT_MODELS, is_deepinfer_model
+    return _deepinfer_drafter(vllm_config, "dspark", DRAFT_ARCH)
 
-    spec = vllm_config.speculative_config
-    if spec is None or spec.method != "dspark" or spec.draft_model_config is None:
+
+def deepinfer_mtp_on_v1(vllm_config) -> bool:
+    """Whether `vllm_config` runs DeepInfer's MTP drafter with a feature only its V1 hooks provide."""
+    from vllm_deepinfer import ops
+    from vllm_deepinfer.spec_decode.proposer import varlen_enabled
+
+    if not _deepinfer_drafter(vllm_config, "mtp", MTP_ARCH):
         return False
-    archs = spec.draft_model_config.hf_config.architectures or []
-    return DRAFT_ARCH in archs and DRAFT_ARCH in DRAFT_MODELS and is_deepinfer_model(vllm_config.model_config)
+    spec = vllm_config.speculative_config
+    return varlen_enabled() or bool(spec.enable_adaptive_verification) or ops.invariant_requested(vllm_config)
 
 
 def apply() -> None:
@@ -47,12 +73,15 @@ def apply() -> None:
 
     @functools.wraps(v2)
     def v2_unsupported(self) -> list[str]:
-        return v2(self) + ([V2_GAP] if deepinfer_dspark(self) else [])
+        gaps = [V2_GAP] if deepinfer_dspark(self) else [V2_GAP_MTP] if deepinfer_mtp_on_v1(self) else []
+        return v2(self) + gaps
 
     @functools.wraps(unsupported)
     def v1_unsupported(self) -> list[str]:
         out = unsupported(self)
-        return [f for f in out if f != V1_REFUSAL] if deepinfer_dspark(self) else out
+        ours = {V1_REFUSAL, V1_ADAPTIVE} if deepinfer_dspark(self) else {V1_ADAPTIVE} if deepinfer_mtp_on_v1(self) \
+            else set()
+        return [f for f in out if f not in ours]
 
     init = GPUModelRunner.__init__
 

@@ -2,7 +2,7 @@
 
 vLLM 0.32 runs `method="dspark"` only in its V2 runner; on V1 the runner would build an `EagleProposer`
 (`use_eagle()` includes dspark), whose one-token autoregressive loop cannot drive a block drafter.
-`patches/dspark_v1.py` makes V1 accept the method for DeepInfer's V4.1 drafter and puts this proposer in
+`patches/drafters_v1.py` makes V1 accept the method for DeepInfer's V4.1 drafter and puts this proposer in
 the runner's place. It keeps the base class's input preparation (`prepare_next_token_ids_padded`,
 `prepare_inputs_padded`), draft KV-cache group and metadata builders, and replaces the drafting:
 

@@ -1,0 +1,40 @@
+"""Runner choice for DeepInfer's drafters (`patches/drafters_v1.py`), on vLLM's own engine config: the V1 runner
+accepts DSpark and `enable_adaptive_verification` for our drafters, and the V2 runner is refused by name where
+our V1 hooks are needed (DSpark always; MTP with varlen or batch-invariant drafts)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import tiny_checkpoint
+
+
+def _config(ckpt, method: str, **spec):
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(model=str(ckpt), dtype="float32", max_model_len=256, gpu_memory_utilization=0.2,
+                      speculative_config={"method": method, "num_speculative_tokens": 2, **spec})
+    return args.create_engine_config()
+
+
+@pytest.mark.parametrize("arch,method", [("v4-flash", "mtp"), ("v4.1-flash", "dspark")])
+def test_adaptive_verification_is_ours_on_v1(ckpt_root, arch, method):
+    """`enable_adaptive_verification` set on a built config (vLLM refuses it at construction on CPU, which has
+    no full CUDA graphs): the V1 list no longer refuses it for our drafters, and V2 is refused by name."""
+    from vllm_deepinfer.patches.drafters_v1 import V2_GAP, V2_GAP_MTP
+
+    cfg = _config(tiny_checkpoint(ckpt_root, arch, 0, drafter="reproduce"), method)
+    cfg.speculative_config.enable_adaptive_verification = True
+    assert cfg._get_v1_model_runner_unsupported_features() == []
+    assert (V2_GAP if method == "dspark" else V2_GAP_MTP) in cfg._get_v2_model_runner_unsupported_features()
+
+
+def test_fixed_mtp_keeps_vllms_runner_choice(ckpt_root, monkeypatch):
+    from vllm_deepinfer.patches.drafters_v1 import V2_GAP_MTP
+
+    monkeypatch.delenv("DEEPINFER_ENABLE_MTP_VARLEN", raising=False)
+    monkeypatch.delenv("DEEPINFER_BATCH_INVARIANT", raising=False)
+    ckpt = tiny_checkpoint(ckpt_root, "v4-flash", 0, drafter="reproduce")
+    assert V2_GAP_MTP not in _config(ckpt, "mtp")._get_v2_model_runner_unsupported_features()
+    monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
+    assert V2_GAP_MTP in _config(ckpt, "mtp")._get_v2_model_runner_unsupported_features()
