@@ -72,6 +72,9 @@ vllm_env() {  # plugin wheel first, then env.sh (it puts /root/gpu-env/plugin on
   python3 -m pip install -q --upgrade --no-index --no-deps --target /root/gpu-env/plugin .gpuwork/whl/*.whl
   source shared/gpu/env.sh || { echo "env.sh: stack not READY"; exit 1; }
   export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 VLLM_DEEP_GEMM_WARMUP=skip
+  # FlashInfer's top-k/top-p sampler JIT-builds for minutes on a fresh host (2026-12-02: every spec-decode
+  # engine killed at 160 s in "Building JIT module sampling"); vLLM's PyTorch sampler on both sides
+  export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
   # JIT caches of an earlier host (DeepGEMM, TileLang, Triton, FlashInfer, torch.compile), see jit-save
   if [ -f .gpuwork/jit/jit.manifest ] && [ ! -f /root/gpu-stage/jit-restored ]; then
     bash shared/gpu/jit-cache.sh restore .gpuwork/jit | tail -1 && touch /root/gpu-stage/jit-restored
