@@ -17,6 +17,8 @@
 #   bash benchmarks/gpu_session.sh spec BUDGET_S [ARCH] [DRAFTER]  # one GPU: bench_spec_decode.py on a tiny-gpu
 #       checkpoint (v4.1-flash / v4-flash; --drafter reproduce / noise): off, fixed, varlen, in-tree (reproduce);
 #       MODES=off,fixed picks modes, MODE_T caps each mode's seconds (engine start included)
+#   bash benchmarks/gpu_session.sh spec-check BUDGET_S  # one GPU, ~5 min: tests/gpu/test_spec_decode_gpu.py (greedy
+#       speculation == none with CUDA graphs on the memorised-head checkpoints: DSpark, MTP fixed, MTP varlen)
 #   bash benchmarks/gpu_session.sh invariant BUDGET_S  # one GPU, ~8 min: tests/gpu/test_batch_invariance_gpu.py
 #       (V1 runner, CASES=200; TESTS=... picks others) then bench_e2e --invariant (decode 1/16/64 + prefill)
 #   bash benchmarks/gpu_session.sh tp BUDGET_S      # two GPUs: tensor_parallel_size 2 vs 1, CUDA graphs
@@ -279,6 +281,17 @@ spec_session() {  # BUDGET_S [ARCH] [DRAFTER], one GPU (issue 11): a tiny-gpu ch
   pack_logs
 }
 
+spec_check() {  # BUDGET_S, one GPU (issue 11): greedy speculation == none with CUDA graphs, memorised heads
+  local budget=$1 t0=$SECONDS
+  vllm_env
+  make_checkpoints
+  timeout $((budget - 20)) python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_spec_decode_gpu.py \
+    > "$LOGS/spec_check.log" 2>&1
+  echo "spec check rc=$? t=$((SECONDS - t0)) s"
+  grep -E "cudagraph_mode|passed|failed|Error" "$LOGS/spec_check.log" | cut -c1-300 | tail -10
+  pack_logs
+}
+
 engram_session() {  # BUDGET_S, one GPU: V4.1 Engram tables in pinned host memory vs on the GPU, CUDA graphs
   local budget=$1 t0=$SECONDS
   vllm_env
@@ -377,6 +390,7 @@ case "$mode" in
   engram) engram_session "${2:-560}" ;;
   invariant) invariant_session "${2:-560}" ;;
   spec) spec_session "${2:-560}" "${3:-}" "${4:-}" ;;
+  spec-check) spec_check "${2:-560}" ;;
   tp) tp_session "${2:-560}" ;;
   dpep) dpep_session "${2:-560}" ;;
   par-bench) vllm_env; par_bench "${2:-tp}" "${3:-560}"; pack_logs ;;
