@@ -15,9 +15,10 @@ MTP runs on V1 too; fixed-length MTP keeps vLLM's runner choice.
 Three wraps, each active only for DeepInfer's target and drafter:
 
 * the V1 refusal list drops the dspark entry and "adaptive draft verification" (`enable_adaptive_verification`
-  maps onto our draft-length policy, `spec_decode.proposer.policy_for`), and the V2 list gains "DeepInfer's DSpark drafter" (the V2
-  `DSparkSpeculator` expects vLLM's own draft model surface) or "DeepInfer's MTP drafter with ...", so vLLM picks
-  V1 on GPU too (or refuses V2 by name when `VLLM_USE_V2_MODEL_RUNNER=1`);
+  maps onto our draft-length policy, `spec_decode.proposer.policy_for`);
+* the V2 list gains "DeepInfer's DSpark drafter" (the V2 `DSparkSpeculator` expects vLLM's own draft model
+  surface) or "DeepInfer's MTP drafter with ...", so vLLM picks V1 on GPU too (or refuses V2 by name when
+  `VLLM_USE_V2_MODEL_RUNNER=1`);
 * after `GPUModelRunner.__init__` (inherited by `CPUModelRunner`) the DSpark runner's drafter is our
   `spec_decode.dspark_proposer.DSparkProposer`, an `EagleProposer` subclass, so the runner's isinstance checks and
   its eagle code path (input preparation, draft KV group, `propose`) apply unchanged.
@@ -31,7 +32,7 @@ V1_REFUSAL = "dspark speculative decoding"
 V1_ADAPTIVE = "adaptive draft verification"  # our draft-length policy implements it on V1
 V2_GAP = "DeepInfer's DSpark drafter"
 V2_GAP_MTP = "DeepInfer's MTP drafter with varlen or batch-invariant drafts"
-DRAFT_ARCH = "DSparkV41DraftModel"
+DSPARK_ARCH = "DSparkV41DraftModel"
 MTP_ARCH = "DeepSeekV4MTPModel"
 
 
@@ -48,7 +49,7 @@ def _deepinfer_drafter(vllm_config, method: str, arch: str) -> bool:
 
 def deepinfer_dspark(vllm_config) -> bool:
     """Whether `vllm_config` runs DSpark with DeepInfer's target and drafter."""
-    return _deepinfer_drafter(vllm_config, "dspark", DRAFT_ARCH)
+    return _deepinfer_drafter(vllm_config, "dspark", DSPARK_ARCH)
 
 
 def deepinfer_mtp_on_v1(vllm_config) -> bool:
