@@ -58,9 +58,9 @@ class Session:
             nb = -(-W_MAX_LEN // cache.block_size)
             cache.bind_kv_cache(torch.zeros(n_reqs * nb + 1, 1, cache.rows_per_block, cache.width))
             table = 1 + torch.arange(n_reqs * nb, dtype=torch.int32).view(n_reqs, nb)
-            meta[cache.prefix] = PagedCacheMetadata(table, torch.zeros(n_reqs + 1, dtype=torch.int32),
-                                                    torch.zeros(n_reqs, dtype=torch.int32), cache.block_size,
-                                                    n_reqs, 0, False, W_MAX_LEN)
+            qsl = torch.zeros(n_reqs + 1, dtype=torch.int32)
+            meta[cache.prefix] = PagedCacheMetadata(table, qsl, torch.zeros(n_reqs, dtype=torch.int32),
+                                                    cache.block_size, n_reqs, 0, False, W_MAX_LEN, qsl)
         return meta
 
     @contextlib.contextmanager

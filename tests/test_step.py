@@ -94,7 +94,7 @@ def _per_token(counts: list[int], seq_lens: list[int], t: int):
     r = len(counts)
     qsl = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
     meta = PagedCacheMetadata(torch.arange(1, r + 1, dtype=torch.int32).view(r, 1), qsl, torch.tensor(seq_lens),
-                              64, r, sum(counts), True, 128, query_start_loc_device=qsl)
+                              64, r, sum(counts), True, 128, qsl)
     positions = torch.zeros(t, dtype=torch.long)
     return StepBatch.from_metadata(positions, positions, {"layers.0.window_cache": meta})
 

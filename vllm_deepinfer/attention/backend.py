@@ -41,8 +41,9 @@ class PagedCacheMetadata:
     vLLM provides one (exact for the prefill rows, which are the only rows read from it); block_size: tokens per block;
     per_token: no request of the step has more query tokens than the widest verification (1 + k drafts;
     1 without speculation): the step takes the model's per-token path, which finds each token's request
-    in `query_start_loc_device` [R + 1] (trailing requests with no token are graph padding);
+    in `query_start_loc_device` (trailing requests with no token are graph padding);
     max_model_len: bound of every position (fixes the decode path's shapes);
+    query_start_loc_device: [R + 1], the device copy of query_start_loc (the per-token path's only layout input);
     prompt_lens: prompt length of each request (host ints; -1 = run every layer on every token, e.g. for
     prompt logprobs), None where the runner gave none (bounded replay then runs every request in full).
     """
@@ -55,9 +56,9 @@ class PagedCacheMetadata:
     num_tokens: int
     per_token: bool
     max_model_len: int
+    query_start_loc_device: torch.Tensor
     seq_lens_cpu: torch.Tensor | None = None
     prompt_lens: tuple[int, ...] | None = None
-    query_start_loc_device: torch.Tensor | None = None
 
 
 _step_prompt_lens: list[int] | None = None
@@ -100,9 +101,9 @@ class PagedCacheMetadataBuilder(AttentionMetadataBuilder[PagedCacheMetadata]):
             num_tokens=m.num_actual_tokens,
             per_token=m.max_query_len <= self.widest_per_token,
             max_model_len=self.max_model_len,
+            query_start_loc_device=m.query_start_loc[: r + 1],
             seq_lens_cpu=None if m.seq_lens_cpu_upper_bound is None else m.seq_lens_cpu_upper_bound[:r],
             prompt_lens=None if lens is None else tuple(lens[:r]) + (-1,) * (r - len(lens)),
-            query_start_loc_device=m.query_start_loc[: r + 1],
         )
 
 

@@ -269,18 +269,12 @@ class StepBatch:
             return cls(token_ids, positions, [], None)
         meta = next(iter(attn_metadata.values()))
         t, dev = token_ids.shape[0], token_ids.device
-        if meta.per_token and meta.query_start_loc_device is not None:  # decode / verification, maybe graph-padded
+        if meta.per_token or ops.batch_invariant():  # decode / verification (maybe graph-padded); invariant: all
             qsl, i = meta.query_start_loc_device, torch.arange(t, device=dev)
             req = torch.searchsorted(qsl[1:], i.to(qsl.dtype), right=True).clamp(max=meta.num_reqs - 1)
             live = (i < qsl[-1]) & (meta.seq_lens[req] > 0)
             return cls(token_ids, positions, [], attn_metadata, n_dec=t, req=req.long(), live=live)
         qsl = meta.query_start_loc[: meta.num_reqs + 1]                 # host tensor
-        if ops.batch_invariant():
-            counts = qsl[1:] - qsl[:-1]
-            req = torch.repeat_interleave(torch.arange(meta.num_reqs), counts)
-            live = torch.arange(t) < req.numel()
-            req = torch.nn.functional.pad(req, (0, t - req.numel()))
-            return cls(token_ids, positions, [], attn_metadata, n_dec=t, req=req.to(dev), live=live.to(dev))
         one = (qsl[1:] - qsl[:-1]) == 1
         n_dec = int(torch.cumprod(one.long(), 0).sum()) if one.numel() else 0
         if meta.seq_lens_cpu is not None:  # host copy: first position = tokens after the step - tokens of the step

@@ -55,12 +55,11 @@ def deepinfer_dspark(vllm_config) -> bool:
 def deepinfer_mtp_on_v1(vllm_config) -> bool:
     """Whether `vllm_config` runs DeepInfer's MTP drafter with a feature only its V1 hooks provide."""
     from vllm_deepinfer import ops
-    from vllm_deepinfer.spec_decode.proposer import varlen_enabled
+    from vllm_deepinfer.spec_decode.proposer import varlen_requested
 
     if not _deepinfer_drafter(vllm_config, "mtp", MTP_ARCH):
         return False
-    spec = vllm_config.speculative_config
-    return varlen_enabled() or bool(spec.enable_adaptive_verification) or ops.invariant_requested(vllm_config)
+    return varlen_requested(vllm_config.speculative_config) or ops.invariant_requested(vllm_config)
 
 
 def apply() -> None:

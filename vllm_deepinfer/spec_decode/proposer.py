@@ -40,6 +40,11 @@ def varlen_enabled(environ: dict[str, str] | None = None) -> bool:
     return value.strip().lower() not in OFF_VALUES
 
 
+def varlen_requested(speculative_config) -> bool:
+    """Varlen asked for: DEEPINFER_ENABLE_MTP_VARLEN, or `enable_adaptive_verification` in the speculative config."""
+    return varlen_enabled() or bool(speculative_config.enable_adaptive_verification)
+
+
 def policy_for(vllm_config, kind: str) -> DraftLengthPolicy:
     """The policy of a drafter built in `vllm_config` (K = num_speculative_tokens; varlen from
     DEEPINFER_ENABLE_MTP_VARLEN or vLLM's own `enable_adaptive_verification` in the speculative config), after
@@ -53,7 +58,7 @@ def policy_for(vllm_config, kind: str) -> DraftLengthPolicy:
     if torch.device(vllm_config.device_config.device).type == "cpu":
         cpu_spec_expand.apply()
     spec = vllm_config.speculative_config
-    k, varlen = spec.num_speculative_tokens, varlen_enabled() or bool(spec.enable_adaptive_verification)
+    k, varlen = spec.num_speculative_tokens, varlen_requested(spec)
     if varlen and vllm_config.scheduler_config.async_scheduling:
         logger.warning("vllm-deepinfer %s: %s=1 needs synchronous scheduling (--no-async-scheduling); "
                        "verifying the fixed length %d", kind, VARLEN_ENV, k)
@@ -152,4 +157,4 @@ class DraftLengthPolicy:
         return drafts
 
 
-__all__ = ["DraftLengthPolicy", "StopDrafting", "VARLEN_ENV", "policy_for", "varlen_enabled"]
+__all__ = ["DraftLengthPolicy", "StopDrafting", "VARLEN_ENV", "policy_for", "varlen_enabled", "varlen_requested"]
