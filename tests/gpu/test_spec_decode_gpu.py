@@ -56,10 +56,20 @@ def _generate(ckpt: Path, spec: dict | None = None, **overrides) -> tuple[list[l
     return [list(o.outputs[0].token_ids) for o in outs], mode, drafts
 
 
+_PLAIN: dict[str, list[list[int]]] = {}
+
+
+def _plain(ckpt: Path) -> list[list[int]]:
+    """Greedy tokens without speculation, one engine per checkpoint for the whole module."""
+    if ckpt.name not in _PLAIN:
+        _PLAIN[ckpt.name] = _generate(ckpt)[0]
+    return _PLAIN[ckpt.name]
+
+
 @pytest.mark.parametrize("name,method", [("ckpt-v41m", "dspark"), ("ckpt-v4m", "mtp")])
 def test_greedy_speculation_equals_none_with_cuda_graphs(name, method):
     ckpt = _ckpt(name)
-    ref, _, _ = _generate(ckpt)
+    ref = _plain(ckpt)
     got, mode, drafts = _generate(ckpt, {"method": method, "num_speculative_tokens": K})
     print(f"\n{name} {method} K={K}: cudagraph_mode {mode}, {drafts} draft tokens")
     assert "NONE" not in mode, f"speculation turned CUDA graphs off ({mode})"
@@ -71,7 +81,7 @@ def test_mtp_varlen_equals_none(monkeypatch):
     """Varlen on the V1 runner (synchronous scheduling): trimmed verification steps run the per-token path
     eagerly, full ones replay graphs; the tokens stay those of plain decode."""
     ckpt = _ckpt("ckpt-v4m")
-    ref, _, _ = _generate(ckpt)
+    ref = _plain(ckpt)
     monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
     got, mode, _ = _generate(ckpt, {"method": "mtp", "num_speculative_tokens": K}, async_scheduling=False)
     print(f"\nckpt-v4m mtp varlen K={K}: cudagraph_mode {mode}")
