@@ -40,6 +40,8 @@ def run_mode(args: argparse.Namespace) -> dict:
     kw = dict(model=args.model, dtype=args.dtype, max_model_len=args.prompt_len + args.new_tokens + 64,
               max_num_seqs=max(args.batches), gpu_memory_utilization=args.gpu_util, seed=0, disable_log_stats=False,
               enforce_eager=args.device_smoke)
+    if args.no_jit_warmup:  # in-tree's JIT warm-up alone outlasted a 265 s cap on a fresh host (2026-12-02)
+        kw["kernel_config"] = {"enable_jit_warmup": False, "enable_flashinfer_autotune": False}
     if args.mode != "off":
         kw["speculative_config"] = {"method": method, "num_speculative_tokens": args.k}
     if args.mode == "varlen":
@@ -122,6 +124,7 @@ def main() -> None:
                    help="also vLLM's in-tree model (DEEPINFER_DISABLE=1): fixed, and adaptive verification for DSpark")
     p.add_argument("--modes", type=lambda s: s.split(","), help="comma list of modes (default: all that apply)")
     p.add_argument("--mode-timeout", type=float, default=240, help="seconds per mode (engine start included)")
+    p.add_argument("--no-jit-warmup", action="store_true", help="kernel_config: no JIT warm-up / FlashInfer autotune")
     p.add_argument("--device-smoke", action="store_true", help="CPU smoke run: eager, fp32, small sizes")
     p.add_argument("--mode", choices=["off", "fixed", "varlen", "intree", "intree-varlen"], help=argparse.SUPPRESS)
     args = p.parse_args()

@@ -272,7 +272,7 @@ spec_session() {  # BUDGET_S [ARCH] [DRAFTER], one GPU (issue 11): a tiny-gpu ch
   [ -d $ckpt ] || python3 -m vllm_deepinfer.tools.make_checkpoint --arch $arch --preset tiny-gpu --drafter $drafter \
     --out $ckpt > "$LOGS/make_spec.log" 2>&1 || { tail -5 "$LOGS/make_spec.log"; exit 1; }
   timeout $((budget - (SECONDS - t0) - 15)) python3 benchmarks/bench_spec_decode.py --model $ckpt \
-    --out "$LOGS/spec-$arch-$drafter" --k ${K:-5} --batches ${BATCHES:-1,8,32} --new-tokens ${NEW:-128} \
+    --out "$LOGS/spec-$arch-$drafter" --no-jit-warmup --k ${K:-5} --batches ${BATCHES:-1,8,32} --new-tokens ${NEW:-128} \
     $([ "$drafter" = reproduce ] && echo --intree) ${MODES:+--modes $MODES} --mode-timeout ${MODE_T:-240} \
     > "$OUT/spec_${arch}_${drafter}${MODES:+_${MODES//,/-}}.out" 2>&1
   echo "spec bench rc=$? t=$((SECONDS - t0)) s"

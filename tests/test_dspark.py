@@ -263,7 +263,9 @@ def test_engine_dspark_varlen_lossless_max_and_min(ckpt_root, monkeypatch):
     """vLLM's V1 runner with `method="dspark"` (our proposer) and confidence-scheduled verification
     (DEEPINFER_ENABLE_MTP_VARLEN=1), mixed-length batch, chunked prefill: greedy tokens equal speculation off
     for both checkpoint drafters (same target); the reproducing drafter (c ~ 0.9997) is accepted and verified
-    at the full block length, the noise drafter (c ~ 0.0003) at length 0 (vLLM counts no draft tokens)."""
+    at the full block length, the noise drafter (c ~ 0.0003) at length 0 (vLLM counts no draft tokens).
+    Decode and verification steps take the fixed-buffer draft step that CUDA graphs replay on a GPU
+    (`spec_decode/draft_graphs.py`, run eagerly here: 3 requests padded to 4, trimmed verifications)."""
     ckpts = {kind: tiny_checkpoint(ckpt_root, "v4.1-flash", 0, drafter=kind) for kind in ("reproduce", "noise")}
     prompts = [_ids(n, n) for n in (7, 40, 150)]
     chunked = dict(max_model_len=W_MAX_LEN, max_num_batched_tokens=64, enable_chunked_prefill=True)
@@ -273,11 +275,16 @@ def test_engine_dspark_varlen_lossless_max_and_min(ckpt_root, monkeypatch):
     n = SPEC["num_speculative_tokens"]
     for kind, ckpt in ckpts.items():
         with engine(ckpt, speculative_config=SPEC, disable_log_stats=False, **chunked) as llm:
+            proposer = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.drafter
+            assert proposer.fixed_steps is None  # no CUDA graphs on CPU
+            proposer.fixed_steps = proposer.fixed_step_graphs(capture_graphs=False)
             assert _generate(llm, prompts, 24) == base, kind
             drafted, accepted = _spec_counters(llm)
             counts = draft_policy(llm).length_counts
-        print(f"{kind} in vLLM, varlen: {accepted}/{drafted} draft tokens accepted, lengths chosen {counts}")
-        assert sum(counts) > 0
+            fixed = proposer.fixed_steps.steps
+        print(f"{kind} in vLLM, varlen: {accepted}/{drafted} draft tokens accepted, lengths chosen {counts}, "
+              f"{fixed} fixed-buffer steps")
+        assert sum(counts) > 0 and fixed >= 3
         if kind == "reproduce":
             assert counts[n] == sum(counts) and drafted > 0 and accepted / drafted >= 0.95
         else:

@@ -28,7 +28,7 @@ from tests.conftest import Server, free_port, tiny_checkpoint  # noqa: E402
 from vllm_deepinfer.serving.parsers import tool_call_structural_tag  # noqa: E402
 
 MAX_MODEL_LEN = 4096
-STRESS_SECONDS = float(os.environ.get("DEEPINFER_STRESS_SECONDS", "60"))
+STRESS_SECONDS = float(os.environ.get("DEEPINFER_STRESS_SECONDS", "30"))
 MARKUP = re.compile(r"DSML|<｜|｜>|</?think>")
 TOOLS = [{
     "type": "function",

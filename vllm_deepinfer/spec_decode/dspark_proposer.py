@@ -15,18 +15,20 @@ the runner's place. It keeps the base class's input preparation (`prepare_next_t
 Drafts are greedy (argmax of the Markov-corrected logits): a deterministic proposal, so V1's rejection
 sampler (no draft probabilities) stays exact for any target sampling. In batch-invariant mode the drafts of
 sampled requests are the seeded draws with the target's noise instead (exact-match verification there).
-The confidence head's c_k feed the draft-length policy (`DraftLengthPolicy.observe`). Not covered: the draft
-model's CUDA graphs (dummy runs do nothing), multimodal inputs, `disable_padded_drafter_batch`.
+The confidence head's c_k feed the draft-length policy (`DraftLengthPolicy.observe`). With CUDA graphs on
+(any `cudagraph_mode` but NONE) decode and verification steps replay the proposer's own graphs
+(`spec_decode/draft_graphs.py`); vLLM's dummy runs do nothing here. Not covered: multimodal inputs,
+`disable_padded_drafter_batch`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 from torch import nn
-import dataclasses
-
-from vllm.config import VllmConfig, get_layers_from_vllm_config
+from vllm.config import CUDAGraphMode, VllmConfig, get_layers_from_vllm_config
 from vllm.forward_context import set_forward_context
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.v1.attention.backend import CommonAttentionMetadata
@@ -34,6 +36,8 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.spec_decode.eagle import EagleProposer
 from vllm.v1.worker.utils import AttentionGroup
 
+from vllm_deepinfer.attention.backend import PagedCacheMetadata
+from vllm_deepinfer.spec_decode.draft_graphs import DraftStepGraphs
 from vllm_deepinfer.spec_decode.dspark import DraftBatch, DSparkDrafter
 
 
@@ -77,22 +81,35 @@ class DSparkProposer(EagleProposer):
                 self.draft_attn_groups.append(attn_group)
         self.kv_cache_gid = self.draft_attn_groups[0].kv_cache_group_id
         self.block_size = self.draft_attn_groups[0].kv_cache_spec.block_size
+        graphs = (self.device.type == "cuda"
+                  and self.vllm_config.compilation_config.cudagraph_mode != CUDAGraphMode.NONE)
+        self.fixed_steps = self.fixed_step_graphs(capture_graphs=True) if graphs else None
 
-    def _metadata(self, cm: CommonAttentionMetadata) -> dict:
+    def fixed_step_graphs(self, capture_graphs: bool) -> DraftStepGraphs:
+        """The fixed-shape draft steps over this proposer's caches (`capture_graphs=False`: run eagerly)."""
+        groups = {g.kv_cache_group_id: list(g.layer_names) for g in self.draft_attn_groups}
+        return DraftStepGraphs(self.model, self.capture, self.vllm_config, groups,
+                               self.speculative_config.num_speculative_tokens,
+                               self.vllm_config.scheduler_config.max_num_seqs, self.device, capture_graphs)
+
+    def _tables(self, cm: CommonAttentionMetadata) -> dict[int, torch.Tensor]:
+        """Block table [R, blocks] of every drafter cache group for the step described by `cm`."""
+        return {g.kv_cache_group_id: cm.block_table_tensor if g.kv_cache_group_id == self.kv_cache_gid
+                else self.runner.input_batch.block_table[g.kv_cache_group_id].get_device_tensor(cm.num_reqs)
+                for g in self.draft_attn_groups}
+
+    def _metadata(self, cm: CommonAttentionMetadata, tables: dict[int, torch.Tensor]) -> dict[str, PagedCacheMetadata]:
         """Per drafter cache layer: its group's metadata for the step described by `cm`."""
         out = {}
         for group in self.draft_attn_groups:
-            gid = group.kv_cache_group_id
-            if gid != self.kv_cache_gid:
-                table = self.runner.input_batch.block_table[gid].get_device_tensor(cm.num_reqs)
-                cm = dataclasses.replace(cm, block_table_tensor=table)
-            meta = group.build_metadata(cm)
+            meta = group.build_metadata(dataclasses.replace(cm, block_table_tensor=tables[group.kv_cache_group_id]))
             out.update(dict.fromkeys(group.layer_names, meta))
         return out
 
     def dummy_run(self, num_tokens: int, use_cudagraphs: bool = True, is_graph_capturing: bool = False,
                   slot_mappings=None) -> None:
-        """Nothing: the drafter's caches are unbound during vLLM's profiling run, and it captures no graphs."""
+        """Nothing: the drafter's caches are unbound during vLLM's profiling run; its graphs are captured on
+        first use (`fixed_steps`)."""
 
     def take_last_draft_probs(self) -> None:
         return None  # greedy drafts: a deterministic proposal
@@ -103,19 +120,31 @@ class DSparkProposer(EagleProposer):
         """-> draft token ids [num_reqs, num_speculative_tokens] (int64)."""
         cm = common_attn_metadata
         b, t, dev = cm.num_reqs, target_token_ids.shape[0], next_token_ids.device
-        counts = (cm.query_start_loc_cpu[1:b + 1] - cm.query_start_loc_cpu[:b]).numpy()
-        req = torch.from_numpy(np.repeat(np.arange(b), counts)).to(dev)
+        counts = np.diff(cm.query_start_loc_cpu[: b + 1].numpy())
         anchor_pos = cm.seq_lens[:b].long()
         if num_rejected_tokens_gpu is not None:
             anchor_pos = anchor_pos - num_rejected_tokens_gpu[:b].long()
-        metadata = self._metadata(cm)
-        with torch.inference_mode(), set_forward_context(metadata, self.vllm_config, num_tokens=t):
-            self.model.write_context(self.capture.features[:t], req, target_positions[:t].long(), metadata,
-                                     keep=self.capture.valid[:t])
-            block = DraftBatch(torch.arange(b, device=dev), anchor_pos, num_speculative_tokens, metadata)
-            draft = self.model.draft(next_token_ids[:b].long(), block, **self._coupling(sampling_metadata, b))
-        self.model.draft_policy.observe(draft.confidence)
-        return draft.tokens
+        tables = self._tables(cm)
+        metadata = self._metadata(cm, tables)
+        coupling = self._coupling(sampling_metadata, b)
+        r = None
+        if self.fixed_steps is not None and not coupling:
+            r = self.fixed_steps.size_for(b, int(counts.max(initial=0)))
+        with torch.inference_mode():
+            if r is not None:
+                tokens, confidence = self.fixed_steps.propose(
+                    r, num_speculative_tokens, metadata, tables, cm.query_start_loc, t, target_positions,
+                    next_token_ids[:b].long(), anchor_pos)
+            else:
+                req = torch.from_numpy(np.repeat(np.arange(b), counts)).to(dev)
+                with set_forward_context(metadata, self.vllm_config, num_tokens=t):
+                    self.model.write_context(self.capture.features[:t], req, target_positions[:t].long(), metadata,
+                                             keep=self.capture.valid[:t])
+                    block = DraftBatch(torch.arange(b, device=dev), anchor_pos, num_speculative_tokens, metadata)
+                    draft = self.model.draft(next_token_ids[:b].long(), block, **coupling)
+                tokens, confidence = draft.tokens, draft.confidence
+        self.model.draft_policy.observe(confidence)
+        return tokens
 
     def _coupling(self, sampling_metadata, b: int) -> dict:
         """Batch-invariant mode (the step's seeds handed to the policy by `patches/seeded_sampler.py`): the

@@ -78,7 +78,7 @@ class DraftLengthPolicy:
         self._probs: list[torch.Tensor] = []
         self._tokens: list[torch.Tensor] = []
         self._dists: list[torch.Tensor | None] = []
-        self.survival: torch.Tensor | None = None   # [B, K] of the last proposal
+        self.survival: torch.Tensor | None = None   # [B, K] of the last proposal (device; read by `trim` when varlen)
         self.length_counts = [0] * (num_speculative_tokens + 1)
         self.draft_steps = 0                         # drafter steps run (MTP: forwards of the block)
         self.steps = 0
@@ -133,12 +133,12 @@ class DraftLengthPolicy:
         if self._probs:
             probs = torch.stack(self._probs, dim=1)
             missing = self.max_len - probs.shape[1]
-            self.survival = torch.cat([draft_survival(probs), probs.new_zeros(probs.shape[0], missing)], 1).cpu()
+            self.survival = torch.cat([draft_survival(probs), probs.new_zeros(probs.shape[0], missing)], 1)
         self._probs, self._tokens, self._dists = [], [], []
 
     def observe(self, confidence: torch.Tensor) -> None:
         """A whole block's per-position acceptance estimates [B, K] (DSpark's c_k)."""
-        self.survival = draft_survival(confidence).cpu()
+        self.survival = draft_survival(confidence)
         self.draft_steps += 1
 
     def trim(self, drafts: list[list[int]]) -> list[list[int]]:
