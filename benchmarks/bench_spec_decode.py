@@ -11,8 +11,9 @@ vLLM's default scheduling), fixed (`{"method": M, "num_speculative_tokens": K}`)
 DEEPINFER_ENABLE_MTP_VARLEN=1 and synchronous scheduling, which it needs); `--intree` adds vLLM's in-tree model
 (DEEPINFER_DISABLE=1) fixed, and for DSpark its adaptive verification (`enable_adaptive_verification`, V2 runner).
 For each batch size B: B random prompts of --prompt-len tokens, greedy, --new-tokens each (ignore_eos), as one
-`generate` after a warm-up call; per-user tok/s = new tokens / wall time; plus vLLM's spec-decode counters
-(acceptance rate, mean accepted length, per-position acceptance) over the timed call.
+`generate` after a warm-up call (prefix caching off, so both do the same work); per-user tok/s = new tokens /
+wall time; plus vLLM's spec-decode counters (acceptance rate, mean accepted length, per-position acceptance) over
+the timed call.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def run_mode(args: argparse.Namespace) -> dict:
     method = draft_method(args.model)
     kw = dict(model=args.model, dtype=args.dtype, max_model_len=args.prompt_len + args.new_tokens + 64,
               max_num_seqs=max(args.batches), gpu_memory_utilization=args.gpu_util, seed=0, disable_log_stats=False,
-              enforce_eager=args.device_smoke)
+              enforce_eager=args.device_smoke, enable_prefix_caching=False)  # timed call == warm-up's work
     if args.no_jit_warmup:  # in-tree's JIT warm-up alone outlasted a 265 s cap on a fresh host (2026-12-02)
         kw["kernel_config"] = {"enable_jit_warmup": False, "enable_flashinfer_autotune": False}
     if args.mode != "off":

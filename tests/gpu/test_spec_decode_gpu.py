@@ -37,9 +37,9 @@ def _ckpt(name: str) -> Path:
     return path
 
 
-def _generate(ckpt: Path, spec: dict | None = None, **overrides) -> tuple[list[list[int]], str, int]:
+def _generate(ckpt: Path, spec: dict | None = None, **overrides) -> tuple[list[list[int]], str, int, int]:
     """Greedy 64 tokens for the 37/300/1000-token fidelity prompts in one batch -> (tokens, the engine's
-    cudagraph mode, draft tokens vLLM counted)."""
+    cudagraph mode, draft tokens vLLM counted, draft-step graphs DSpark's proposer captured)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -53,7 +53,11 @@ def _generate(ckpt: Path, spec: dict | None = None, **overrides) -> tuple[list[l
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts.values()],
                             SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True), use_tqdm=False)
         drafts = sum(int(m.value) for m in llm.get_metrics() if m.name == "vllm:spec_decode_num_draft_tokens")
-    return [list(o.outputs[0].token_ids) for o in outs], mode, drafts
+        drafter = getattr(llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner,
+                          "drafter", None)
+        fixed = getattr(drafter, "fixed_steps", None)
+        graphs = 0 if fixed is None else len(fixed.graphs)
+    return [list(o.outputs[0].token_ids) for o in outs], mode, drafts, graphs
 
 
 _PLAIN: dict[str, list[list[int]]] = {}
@@ -70,10 +74,12 @@ def _plain(ckpt: Path) -> list[list[int]]:
 def test_greedy_speculation_equals_none_with_cuda_graphs(name, method):
     ckpt = _ckpt(name)
     ref = _plain(ckpt)
-    got, mode, drafts = _generate(ckpt, {"method": method, "num_speculative_tokens": K})
-    print(f"\n{name} {method} K={K}: cudagraph_mode {mode}, {drafts} draft tokens")
+    got, mode, drafts, graphs = _generate(ckpt, {"method": method, "num_speculative_tokens": K})
+    print(f"\n{name} {method} K={K}: cudagraph_mode {mode}, {drafts} draft tokens, {graphs} draft-step graphs")
     assert "NONE" not in mode, f"speculation turned CUDA graphs off ({mode})"
     assert drafts > 0
+    if method == "dspark":  # decode and verification steps replay the proposer's graphs (spec_decode/draft_graphs.py)
+        assert graphs > 0
     assert got == ref
 
 
@@ -83,6 +89,6 @@ def test_mtp_varlen_equals_none(monkeypatch):
     ckpt = _ckpt("ckpt-v4m")
     ref = _plain(ckpt)
     monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
-    got, mode, _ = _generate(ckpt, {"method": "mtp", "num_speculative_tokens": K}, async_scheduling=False)
+    got, mode, _, _ = _generate(ckpt, {"method": "mtp", "num_speculative_tokens": K}, async_scheduling=False)
     print(f"\nckpt-v4m mtp varlen K={K}: cudagraph_mode {mode}")
     assert got == ref
