@@ -16,6 +16,7 @@ import torch
 
 from tests.conftest import draft_policy, engine, recorded_preemptions, tiny_checkpoint
 from tests.fidelity import prompt_ids
+from tests.sampling_stats import ALPHA, POSITIONS, assert_same_distribution, chi2_homogeneity_p, seeded_samples
 from vllm_deepinfer.spec_decode.schedule import VerifyCost, choose_lengths, draft_survival, no_slot_pays
 
 # Module-scoped engines live until the module ends, and a newer engine in the process takes over vLLM's global
@@ -105,7 +106,7 @@ def reproduce(ckpt_root):
     model_dir = tiny_checkpoint(ckpt_root, "v4-flash", 0, drafter="reproduce")
     mixed = [prompt_ids(model_dir, n, i) for i, n in enumerate(LENGTHS)]
     with engine(model_dir, max_num_seqs=64) as llm:
-        return model_dir, mixed, _generate(llm, mixed), _samples(llm)
+        return model_dir, mixed, _generate(llm, mixed), seeded_samples(llm, TEMPERATURE)
 
 
 @pytest.fixture(scope="module")
@@ -132,37 +133,19 @@ def test_reproducing_drafter_accepted_and_max_length(reproduce, reproduce_llm):
 
 
 # ----------------------------------------------------------------------------- seeded sampling
-N_SAMPLES = 256
-POSITIONS = (1, 2, 3)    # generated-token positions after the first (the first comes from the prompt's logits)
-ALPHA = 0.01             # family-wise false-alarm rate: Bonferroni over POSITIONS, ALPHA / 3 per test
-
-
-def _samples(llm) -> list[list[int]]:
-    """N_SAMPLES seeded requests of one prompt at temperature 2 over logits of std ~32: a small effective
-    vocabulary (a few tokens per position carry the mass), so the greedy drafts are accepted often but not
-    always. No top-k: vLLM 0.32's CPU rejection sampler crashes on top-k in a step without drafts (NOTES.md)."""
-    from vllm import SamplingParams
-
-    params = [SamplingParams(temperature=2.0, seed=s, max_tokens=1 + max(POSITIONS), ignore_eos=True)
-              for s in range(N_SAMPLES)]
-    return _generate(llm, [list(range(100, 140))] * N_SAMPLES, params=params)
+TEMPERATURE = 2.0  # tiny V4's logits have std ~32 (`sampling_stats.seeded_samples`)
 
 
 def test_seeded_sampling_distribution(reproduce, reproduce_llm):
-    """Tokens sampled with speculation follow the no-speculation distribution: per position, a chi-square
-    homogeneity test of the two samples at ALPHA / len(POSITIONS) (false alarm <= ALPHA = 1 % in all,
-    chi-square approximation); both of vLLM's rejection-sampler paths (accept, reject + resample) run."""
-    off = reproduce[3]
+    """Tokens sampled with speculation follow the no-speculation distribution (`sampling_stats`: chi-square
+    homogeneity per position, false alarm <= 1 % in all); both of vLLM's rejection-sampler paths (accept,
+    reject + resample) run."""
     llm = reproduce_llm
     before = _spec_counts(llm)
-    on = _samples(llm)
+    on = seeded_samples(llm, TEMPERATURE)
     stats = _delta(_spec_counts(llm), before)
     assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"], stats
-    for pos in POSITIONS:
-        a, b = [s[pos] for s in off], [s[pos] for s in on]
-        assert len(set(a)) >= 2, f"position {pos}: no randomness to test"
-        p = chi2_homogeneity_p(a, b)
-        assert p > ALPHA / len(POSITIONS), f"position {pos}: p = {p:.2e}"
+    assert_same_distribution(reproduce[3], on)
 
 
 @pytest.fixture(scope="module")
@@ -223,29 +206,6 @@ def test_invariant_mode_seeded_speculation_equals_no_speculation(reproduce, monk
     assert solo == off[:1]
     # the reproducing drafter's drafts, drawn with the target's noise (coupled), are the target's draws
     assert stats["num_accepted_tokens"] > 0.9 * stats["num_draft_tokens"] > 0, stats
-
-
-def chi2_homogeneity_p(a: list[int], b: list[int], min_pooled: int = 10) -> float:
-    """p-value of the chi-square test that two samples of tokens come from one distribution (cells whose
-    pooled count is below `min_pooled` are merged into one)."""
-    from collections import Counter
-
-    ca, cb = Counter(a), Counter(b)
-    cells, rest = [], [0, 0]
-    for tok in sorted(set(ca) | set(cb)):
-        if ca[tok] + cb[tok] >= min_pooled:
-            cells.append((ca[tok], cb[tok]))
-        else:
-            rest = [rest[0] + ca[tok], rest[1] + cb[tok]]
-    if sum(rest):
-        cells.append(tuple(rest))
-    if len(cells) < 2:
-        return 1.0
-    na, nb = len(a), len(b)
-    stat = sum((x - (xa + xb) * n / (na + nb)) ** 2 / ((xa + xb) * n / (na + nb))
-               for xa, xb in cells for x, n in ((xa, na), (xb, nb)))
-    dof = torch.tensor((len(cells) - 1) / 2.0, dtype=torch.float64)
-    return float(torch.special.gammaincc(dof, torch.tensor(stat / 2.0, dtype=torch.float64)))
 
 
 def test_chi2_helper_detects_a_shift():
