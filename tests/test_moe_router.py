@@ -31,15 +31,15 @@ def _logits(seed: int) -> torch.Tensor:
     return logits
 
 
-def _gate(seed: int, hash_routed: bool, bias_vl: bool) -> Gate:
+def _gate(seed: int, hash_routed: bool, bias_vl: bool, experts: int = E) -> Gate:
     g = torch.Generator().manual_seed(seed)
-    gate = Gate(8, E, 200, K, hash_routed, with_bias_vl=bias_vl)
+    gate = Gate(8, experts, 200, K, hash_routed, with_bias_vl=bias_vl)
     if hash_routed:
-        gate.tid2eid.copy_(torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(200)]))
+        gate.tid2eid.copy_(torch.stack([torch.randperm(experts, generator=g)[:K] for _ in range(200)]))
     else:
-        gate.bias.data = (torch.randn(E, generator=g) * 0.2).round(decimals=1)  # ties of score + bias
+        gate.bias.data = (torch.randn(experts, generator=g) * 0.2).round(decimals=1)  # ties of score + bias
         if bias_vl:
-            gate.bias_vl.data = (torch.randn(E, generator=g) * 0.2).round(decimals=1)
+            gate.bias_vl.data = (torch.randn(experts, generator=g) * 0.2).round(decimals=1)
     return gate
 
 
@@ -91,19 +91,22 @@ def test_router_through_vllm_entry_point():
 @pytest.mark.parametrize("kind", ["biased", "hash"])
 def test_vllm_cpu_router(kind):
     """vLLM's CPU DeepSeek-V4 router, where the build has its AVX-512 kernels: same expert sets and weights
-    (selection order and exact ties are not promised by its kernel: it is compared, not used)."""
+    (selection order and exact ties are not promised by its kernel: it is compared, not used). Its kernels take
+    64, 128, 256 or 384 experts only ("biased_topk_cpu: unsupported num_experts 16" otherwise, vLLM 0.32 on an
+    AVX-512 box), so this uses 64."""
     from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
 
     if not hasattr(torch.ops._C, "biased_topk_cpu"):
         pytest.skip("this vLLM CPU build has no biased_topk_cpu/hash_topk_cpu kernels: vLLM's CPU router "
                     "cannot route DeepSeek V4 here (the plugin's router runs instead)")
-    gate = _gate(3, kind == "hash", False)
-    logits = torch.randn(T, E, generator=torch.Generator().manual_seed(3))   # no ties: sets are comparable
+    experts = 64
+    gate = _gate(3, kind == "hash", False, experts)
+    logits = torch.randn(T, experts, generator=torch.Generator().manual_seed(3))   # no ties: sets are comparable
     token_ids = torch.randint(0, 200, (T,))
-    vllm_router = CPURouter(top_k=K, global_num_experts=E, renormalize=True, scoring_func="sqrtsoftplus",
+    vllm_router = CPURouter(top_k=K, global_num_experts=experts, renormalize=True, scoring_func="sqrtsoftplus",
                             routed_scaling_factor=SCALE, e_score_correction_bias=gate.bias,
                             hash_indices_table=None if gate.tid2eid is None else gate.tid2eid.int())
     w, i = vllm_router._compute_routing(None, logits, None, input_ids=token_ids)
     ids, weights = DeepseekRouter(gate, K, SCALE, -1, None).route(logits, token_ids)
-    dense = lambda ii, ww: torch.zeros(T, E).scatter_(1, ii.long(), ww.float())
+    dense = lambda ii, ww: torch.zeros(T, experts).scatter_(1, ii.long(), ww.float())
     assert torch.allclose(dense(i, w), dense(ids, weights), rtol=1e-6, atol=1e-7)
