@@ -17,7 +17,8 @@ Every step whose requests have at most 1 + K target tokens each fits (decode, ve
 verification); prefill and mixed steps, and batch-invariant mode's coupled drafts, stay eager. Sizes R: powers of
 two up to max_num_seqs, and max_num_seqs. A graph is captured on first use, after one eager run on the same
 buffers (warm-up, and that step's drafts); all share one private memory pool, which vLLM's memory profile does
-not see (the largest step's activations: R (1 + K) context rows and R N block tokens through three stages).
+not see (the largest step's activations: R (1 + K) context rows and R N block tokens through three stages). A
+capture that fails logs a warning and leaves drafting on the eager fixed-buffer step.
 """
 
 from __future__ import annotations
@@ -28,8 +29,11 @@ import torch
 from vllm.forward_context import set_forward_context
 
 from vllm_deepinfer.attention.backend import PagedCacheMetadata
+from vllm_deepinfer.log import get_logger
 from vllm_deepinfer.models.capture import StreamCapture
 from vllm_deepinfer.spec_decode.dspark import DraftBatch, DSparkDrafter
+
+logger = get_logger(__name__)
 
 
 def padded_sizes(max_reqs: int) -> list[int]:
@@ -94,11 +98,21 @@ class DraftStepGraphs:
             else:
                 out = self._step(r, n, fixed)
                 if self.pool is not None:  # `out` (this step's) stays outside the graph's pool
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
-                        captured = self._step(r, n, fixed)
-                    self.graphs[(r, n)] = (g, captured)
+                    self._capture(r, n, fixed)
         return out[0][:b].clone(), out[1][:b].clone()
+
+    def _capture(self, r: int, n: int, metadata: dict[str, PagedCacheMetadata]) -> None:
+        """Capture `_step` for (r, n); if capturing fails, warn once and stay on the eager fixed-buffer step."""
+        g = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
+                captured = self._step(r, n, metadata)
+        except RuntimeError as e:
+            logger.warning("vllm-deepinfer DSpark: capturing the draft step for %d requests failed (%s); "
+                           "drafting stays eager", r, e)
+            self.pool = None
+            return
+        self.graphs[(r, n)] = (g, captured)
 
     def _load(self, r: int, b: int, tables: dict[int, torch.Tensor], query_start_loc: torch.Tensor,
               num_tokens: int, positions: torch.Tensor, anchors: torch.Tensor, anchor_pos: torch.Tensor) -> None:
