@@ -22,6 +22,8 @@ Three wraps, each active only for DeepInfer's target and drafter:
 * after `GPUModelRunner.__init__` (inherited by `CPUModelRunner`) the DSpark runner's drafter is our
   `spec_decode.dspark_proposer.DSparkProposer`, an `EagleProposer` subclass, so the runner's isinstance checks and
   its eagle code path (input preparation, draft KV group, `propose`) apply unchanged.
+
+One read of V1 internals: `group_block_table` (the block tables of the drafter's other KV-cache groups).
 """
 
 from __future__ import annotations
@@ -60,6 +62,15 @@ def deepinfer_mtp_on_v1(vllm_config) -> bool:
     if not _deepinfer_drafter(vllm_config, "mtp", MTP_ARCH):
         return False
     return varlen_requested(vllm_config.speculative_config) or ops.invariant_requested(vllm_config)
+
+
+def group_block_table(runner, gid: int, num_reqs: int):
+    """Block table [num_reqs, blocks] (device) of KV-cache group `gid` for the V1 runner's current batch.
+
+    Reason: V1's `EagleProposer` prepares the metadata of one draft KV-cache group; vLLM splits groups to equal
+    layer counts, so the three DSpark stages' window caches may sit in several groups, whose block tables only
+    the runner's input batch holds (`GPUModelRunner.input_batch.block_table`, a V1 internal)."""
+    return runner.input_batch.block_table[gid].get_device_tensor(num_reqs)
 
 
 def apply() -> None:

@@ -37,6 +37,7 @@ from vllm.v1.spec_decode.eagle import EagleProposer
 from vllm.v1.worker.utils import AttentionGroup
 
 from vllm_deepinfer.attention.backend import PagedCacheMetadata
+from vllm_deepinfer.patches.drafters_v1 import group_block_table
 from vllm_deepinfer.spec_decode.draft_graphs import DraftStepGraphs
 from vllm_deepinfer.spec_decode.dspark import DraftBatch, DSparkDrafter
 
@@ -47,7 +48,7 @@ class DSparkProposer(EagleProposer):
     vLLM splits KV-cache groups to equal layer counts, so the three stages' window caches may land in
     different groups (the base class asserts one group): each group gets its own metadata builder, and
     the block tables of groups other than the one the runner prepares for the drafter (`kv_cache_gid`)
-    are read from the runner's input batch."""
+    are read from the runner's input batch (`patches/drafters_v1.group_block_table`)."""
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device, runner):
         super().__init__(vllm_config, device, runner)
@@ -95,8 +96,7 @@ class DSparkProposer(EagleProposer):
     def _tables(self, cm: CommonAttentionMetadata) -> dict[int, torch.Tensor]:
         """Block table [R, blocks] of every drafter cache group for the step described by `cm`."""
         return {g.kv_cache_group_id: cm.block_table_tensor if g.kv_cache_group_id == self.kv_cache_gid
-                else self.runner.input_batch.block_table[g.kv_cache_group_id].get_device_tensor(cm.num_reqs)
-                for g in self.draft_attn_groups}
+                else group_block_table(self.runner, g.kv_cache_group_id, cm.num_reqs) for g in self.draft_attn_groups}
 
     def _metadata(self, cm: CommonAttentionMetadata, tables: dict[int, torch.Tensor]) -> dict[str, PagedCacheMetadata]:
         """Per drafter cache layer: its group's metadata for the step described by `cm`."""
