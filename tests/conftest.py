@@ -99,10 +99,14 @@ def recorded_preemptions(llm) -> Iterator[list[str]]:
         scheduler._preempt_request = original
 
 
+def model_runner(llm):
+    """The model runner of `llm`'s in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+
+
 def draft_policy(llm):
     """The draft-length policy of `llm`'s DeepInfer drafter (MTP or DSpark) inside the in-process engine."""
-    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-    return runner.drafter.model.draft_policy
+    return model_runner(llm).drafter.model.draft_policy
 
 
 def free_port() -> int:

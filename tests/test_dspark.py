@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import draft_policy, engine, tiny_checkpoint
+from tests.conftest import draft_policy, engine, model_runner, tiny_checkpoint
 from tests.sampling_stats import assert_same_distribution, seeded_samples
 
 W_MAX_LEN = 1024  # max_model_len of the test engines
@@ -40,7 +40,7 @@ class Session:
         from vllm_deepinfer.spec_decode.dspark import DSparkDrafter
 
         self.llm, self.vcfg = llm, llm.llm_engine.vllm_config
-        self.target = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.model
+        self.target = model_runner(llm).model
         with set_current_vllm_config(self.vcfg):
             self.drafter = DSparkDrafter(vllm_config=self.vcfg, prefix=prefix)
         self.drafter.bind_target(self.target)
@@ -276,7 +276,7 @@ def test_engine_dspark_varlen_lossless_max_and_min(ckpt_root, monkeypatch):
     n = SPEC["num_speculative_tokens"]
     for kind, ckpt in ckpts.items():
         with engine(ckpt, speculative_config=SPEC, disable_log_stats=False, **chunked) as llm:
-            proposer = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.drafter
+            proposer = model_runner(llm).drafter
             assert proposer.fixed_steps is None  # no CUDA graphs on CPU
             proposer.fixed_steps = proposer.fixed_step_graphs(capture_graphs=False)
             assert _generate(llm, prompts, 24) == base, kind
@@ -342,7 +342,7 @@ def test_engine_dspark_drafts_match_reference(random_ckpt, reference):
     prompt = _ids(150, 5)
     records = []
     with engine(random_ckpt, speculative_config=SPEC, **chunked) as llm:
-        proposer = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.drafter
+        proposer = model_runner(llm).drafter
         propose = proposer.propose
 
         def recording(**kw):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import engine, tiny_checkpoint
+from tests.conftest import engine, model_runner, tiny_checkpoint
 from vllm_deepinfer.ops import parse_engram_device
 
 
@@ -31,7 +31,7 @@ def test_host_tables_generate_the_same(ckpt_root, monkeypatch):
         monkeypatch.setenv("DEEPINFER_ENGRAM_DEVICE", mode)
         with engine(ckpt, max_model_len=512, max_num_batched_tokens=512) as llm:
             outs = llm.generate(prompts, params, use_tqdm=False)
-            model = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.model
+            model = model_runner(llm).model
             engrams = [layer.engram for layer in model.model.layers if layer.engram is not None]
             assert engrams and all(e.embed.host == (mode == "host") for e in engrams)
             assert len(model.model.engram_prefetch.layers) == (len(engrams) if mode == "host" else 0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import engine, tiny_checkpoint
+from tests.conftest import engine, model_runner, tiny_checkpoint
 from vllm_deepinfer.checkpoint.formats import dequant_fp8_block, quant_fp8_block
 from vllm_deepinfer.models.layers import Linear
 from vllm_deepinfer.ops import marlin, quant
@@ -88,7 +88,7 @@ def test_tiny_checkpoint_packed_generates_the_same(ckpt_root, monkeypatch):
         monkeypatch.setenv("DEEPINFER_FP8_LINEARS", mode)
         with engine(ckpt, max_model_len=256, max_num_batched_tokens=256) as llm:
             outs = llm.generate(prompts, params, use_tqdm=False)
-            model = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.model
+            model = model_runner(llm).model
             fp8 = sorted(n for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn)
         runs[mode] = [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
                       for o in outs]

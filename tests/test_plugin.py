@@ -18,7 +18,7 @@ import sys
 from importlib.metadata import entry_points
 from pathlib import Path
 
-from tests.conftest import engine, tiny_checkpoint
+from tests.conftest import engine, model_runner, tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 RESOLVE = (
@@ -78,14 +78,14 @@ def test_other_models_still_run(ckpt_root, tmp_path):
         shutil.copy(src / name, llama / name)
     with engine(llama, load_format="dummy", max_model_len=512, max_num_batched_tokens=512) as llm:
         out = llm.generate(["hello there"], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
-        model = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.model
+        model = model_runner(llm).model
     assert len(out[0].outputs[0].token_ids) == 4
     assert type(model).__module__.startswith("vllm.model_executor.models.llama")
 
 
 def test_plugin_model_is_the_one_vllm_runs(ckpt_root):
     with engine(tiny_checkpoint(ckpt_root, "v4-flash", 0), max_model_len=256, max_num_batched_tokens=256) as llm:
-        model = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.model
+        model = model_runner(llm).model
     assert type(model).__module__ == "vllm_deepinfer.models.deepseek"
     assert type(model).__name__ == "DeepseekV4ForCausalLM"
 

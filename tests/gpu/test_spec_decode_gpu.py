@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import engine
+from tests.conftest import engine, model_runner
 
 WORK = Path(os.environ.get("DEEPINFER_GPU_WORK", ".gpuwork"))
 K = 3
@@ -53,8 +53,7 @@ def _generate(ckpt: Path, spec: dict | None = None, **overrides) -> tuple[list[l
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts.values()],
                             SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True), use_tqdm=False)
         drafts = sum(int(m.value) for m in llm.get_metrics() if m.name == "vllm:spec_decode_num_draft_tokens")
-        drafter = getattr(llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner,
-                          "drafter", None)
+        drafter = getattr(model_runner(llm), "drafter", None)
         fixed = getattr(drafter, "fixed_steps", None)
         graphs = 0 if fixed is None else len(fixed.graphs)
     return [list(o.outputs[0].token_ids) for o in outs], mode, drafts, graphs

@@ -1,8 +1,7 @@
 """Fixed-shape DSpark draft steps, replayed as CUDA graphs (issue 11).
 
 A DSpark proposal is several hundred small kernels (the context write, three V4.1 blocks, the head, the Markov
-loop).
-Launched eagerly from vLLM's V1 runner they made a speculative step about 4x slower than plain decode on the
+loop). Launched eagerly from vLLM's V1 runner they made a speculative step about 4x slower than plain decode on the
 H200 (2026-12-02, tiny-gpu V4.1: 164 tok/s per user at batch 1 with 4.9 of 5 drafts accepted, against 219
 without speculation; vLLM 0.32 captures V1 drafters PIECEWISE only, through torch.compile, which the drafter
 does not use). So the proposer replays one full graph per padded request count R:
