@@ -234,10 +234,11 @@ def test_matmul_invariant_rows():
     from vllm_deepinfer.ops.reference import matmul_invariant
 
     g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(40, 96, generator=g), torch.randn(200, 96, generator=g)
-    alone = torch.cat([matmul_invariant(x[i:i + 1], w) for i in range(40)])
-    for start, n in ((0, 40), (3, 17), (7, 2), (15, 25)):
-        assert torch.equal(matmul_invariant(x[start:start + n], w), alone[start:start + n])
+    for k, n_out in ((96, 200), (1024, 256), (4096, 64)):  # the wide-K shapes: MKL threads a 1-tile call its own way
+        x, w = torch.randn(40, k, generator=g), torch.randn(n_out, k, generator=g)
+        alone = torch.cat([matmul_invariant(x[i:i + 1], w) for i in range(40)])
+        for start, n in ((0, 40), (3, 17), (7, 2), (15, 25)):
+            assert torch.equal(matmul_invariant(x[start:start + n], w), alone[start:start + n]), (k, n_out, start, n)
     assert not all(torch.equal((x[:n] @ w.t())[0], alone[0]) for n in (2, 5, 17, 40)), "plain mm is invariant here"
 
 

@@ -44,18 +44,21 @@ def matmul_invariant(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x W^T where row i depends only on x[i] and W, bitwise, whatever M. x: [M, K]; w: [N, K] -> [M, N].
 
     Torch GEMMs round by M (CPU: MKL/oneDNN pick other kernels for M = 1 and small M; CUDA: cuBLAS
-    picks tiles and split-K by M). CPU: rows padded to tiles of INVARIANT_ROWS, one bmm of equal
-    [16, K] x [K, N] products (a row's result does not depend on its slot in the tile, checked in
-    tests/test_batch_invariance.py). CUDA: vLLM's batch-invariant persistent Triton GEMM (fixed tiles,
-    no split-K).
+    picks tiles and split-K by M). CPU: rows padded to tiles of INVARIANT_ROWS, one [16, K] x [K, N]
+    GEMM per tile, every call the same shape (a row's result does not depend on its slot in the tile,
+    checked in tests/test_batch_invariance.py). One bmm over all tiles is not invariant: MKL threads a
+    batch of one GEMM differently from a batch of several (on AMX hosts rows then differ in the last
+    bits between a 1-tile and a 2-tile call). CUDA: vLLM's batch-invariant persistent Triton GEMM (fixed
+    tiles, no split-K).
     """
     if x.is_cuda:
         from vllm.model_executor.determinism.batch_invariant import matmul_batch_invariant
 
         return matmul_batch_invariant(x, w.t())
     m, r = x.shape[0], INVARIANT_ROWS
-    tiles = F.pad(x, (0, 0, 0, -m % r)).view(-1, r, x.shape[1])
-    return torch.bmm(tiles, w.t().unsqueeze(0).expand(tiles.shape[0], -1, -1)).view(-1, w.shape[0])[:m]
+    wt = w.t()
+    tiles = F.pad(x, (0, 0, 0, -m % r)).split(r)
+    return torch.cat([tile @ wt for tile in tiles])[:m]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
