@@ -8,6 +8,8 @@ The greedy tokens of tiny V4 (hash layers) and V4.1 (`bias_vl`) checkpoints in f
 engine's, logprobs to 1e-4 (each rank sums its experts' share, the reduce-scatter adds the two): first one
 request alone (the other rank has none and runs vLLM's dummy batches through the same MoE collectives), then
 three at once (the ranks get 2 and 1 requests of different lengths and finish at different steps).
+V4.1 runs with host Engram tables (`DEEPINFER_ENGRAM_DEVICE=host`, the CUDA default): the two DP ranks map one
+node-shared copy that the first rank loads (`models/shared_host.py`; vLLM's `dp_shared_memory`).
 
 Offline `LLM(data_parallel_size=2)` is refused by vLLM itself (asserted below); vLLM points to its
 multi-process example (one `LLM` per rank with VLLM_DP_RANK/VLLM_DP_SIZE), which runs the same engine path.
@@ -16,11 +18,13 @@ multi-process example (one `LLM` per rank with VLLM_DP_RANK/VLLM_DP_SIZE), which
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import re
 
 import pytest
 
 from tests.conftest import Server, engine, free_port, tiny_checkpoint
+from vllm_deepinfer.models.shared_host import FILE_PREFIX, SHM_DIR
 
 httpx = pytest.importorskip("httpx")
 
@@ -59,9 +63,10 @@ def _same(got: tuple[list[int], list[float]], want: tuple[list[int], list[float]
 def test_dp2_ep2_serve_matches_one_process(ckpt_root, tmp_path, arch):
     ckpt = tiny_checkpoint(ckpt_root, arch)
     want = _reference(ckpt)
+    shm_before = {f for f in os.listdir(SHM_DIR) if f.startswith(FILE_PREFIX)}
     server = Server(ckpt, free_port(), tmp_path / "server.log",
                     ["--data-parallel-size", "2", "--enable-expert-parallel", "--api-server-count", "1", *LIMITS],
-                    env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+                    env={"VLLM_CPU_OMP_THREADS_BIND": "0|1", "DEEPINFER_ENGRAM_DEVICE": "host"})
     try:
         server.wait_ready(timeout=600)
         _same(_complete(server, PROMPTS[1]), want[1])  # one rank busy, the other on dummy batches
@@ -76,6 +81,12 @@ def test_dp2_ep2_serve_matches_one_process(ckpt_root, tmp_path, arch):
                            r"(\d+)/(\d+)\. Experts local to global index map: ([0-9>, -]+)\.", log)
     assert sorted(placement) == [("0", "4", "8", "0->0, 1->1, 2->2, 3->3"), ("1", "4", "8", "0->4, 1->5, 2->6, 3->7")]
     assert log.count("Using allgather_reducescatter all2all manager") == 2
+    if arch == "v4.1-flash":  # one table copy for both DP ranks, loaded by the first; nothing left in /dev/shm
+        shared = re.findall(rf"Engram tables: .* one node-shared copy, ({SHM_DIR}/{FILE_PREFIX}\w+) \(2 ranks\), "
+                            r"written by (this rank|the node's first rank)", log)
+        assert len(shared) == 2 and shared[0][0] == shared[1][0], shared
+        assert sorted(w for _, w in shared) == ["the node's first rank", "this rank"]
+    assert {f for f in os.listdir(SHM_DIR) if f.startswith(FILE_PREFIX)} == shm_before
 
 
 def test_offline_llm_data_parallel_refused(ckpt_root):

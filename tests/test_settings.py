@@ -51,6 +51,10 @@ def test_engram_device_checked():
     assert settings.check({"DEEPINFER_ENGRAM_DEVICE": "gpu"}, platform_device="cuda") == ["DEEPINFER_ENGRAM_DEVICE: gpu"]
     with pytest.raises(settings.DeepInferSettingError, match="accepted: host, gpu, auto"):
         settings.check({"DEEPINFER_ENGRAM_DEVICE": "nvme"}, platform_device="cpu")
+    assert settings.check({"DEEPINFER_ENGRAM_SHARED": "0"}) == ["DEEPINFER_ENGRAM_SHARED: one copy per rank"]
+    assert settings.check({"DEEPINFER_ENGRAM_SHARED": "auto"}) == ["DEEPINFER_ENGRAM_SHARED: one node-shared copy"]
+    with pytest.raises(settings.DeepInferSettingError, match="accepted: auto, 1, 0"):
+        settings.check({"DEEPINFER_ENGRAM_SHARED": "sometimes"})
 
 
 def test_yoco_settings_map_to_bounded_replay():
@@ -84,7 +88,7 @@ def test_every_readme_setting_has_a_decision():
     readme = {"DEEPINFER_ENABLE_MTP_VARLEN", "DEEPINFER_USE_NEXTN_DECODE", "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE",
               "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", "DEEPINFER_BATCH_INVARIANT", "DEEPINFER_HF_MODEL_DIR",
               "DEEPINFER_ACCELERATOR", "DEEPINFER_NUMERICS", "DEEPINFER_FP8_LINEARS",
-              "DEEPINFER_EXPERT_STORAGE", "DEEPINFER_ENGRAM_DEVICE"}
+              "DEEPINFER_EXPERT_STORAGE", "DEEPINFER_ENGRAM_DEVICE", "DEEPINFER_ENGRAM_SHARED"}
     assert readme == set(settings.SETTINGS)
     assert all(s.reason and s.vllm_equivalent for s in settings.SETTINGS.values())
 

@@ -17,9 +17,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from vllm.config import VllmConfig
-from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.distributed import get_tensor_model_parallel_world_size, get_world_group
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
@@ -37,7 +38,8 @@ from vllm_deepinfer.models.engram import (
     Engram,
     EngramHasher,
     EngramPrefetch,
-    engram_device,
+    engram_placement,
+    node_arena,
     log_engram_placement,
     write_token_history,
 )
@@ -50,6 +52,7 @@ from vllm_deepinfer.models.layers import (
 )
 from vllm_deepinfer.models.loader import load_checkpoint
 from vllm_deepinfer.models.rope import RotaryTable
+from vllm_deepinfer.models.shared_host import NodeArena
 from vllm_deepinfer.models import replay
 from vllm_deepinfer.models.step import Retained, StepBatch
 from vllm_deepinfer.moe.layer import DeepseekMixtureOfExperts, MoE
@@ -76,7 +79,8 @@ class HyperHead(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, vllm_config: VllmConfig, arch: ArchConfig, layer_id: int, ropes: nn.ModuleDict, prefix: str,
                  page_bytes: int, hasher: EngramHasher | None, history: PagedCache | None, engram_host: bool = False,
-                 max_tokens: int = 0, attention_cls: type[Attention] = Attention):
+                 max_tokens: int = 0, attention_cls: type[Attention] = Attention,
+                 engram_arena: NodeArena | None = None):
         super().__init__()
         plan = arch.layer_plan(layer_id)
         n_experts, topk = arch.moe_experts(layer_id)
@@ -92,7 +96,7 @@ class DecoderLayer(nn.Module):
                        n_experts, topk, arch.n_shared_experts, arch.vocab_size,
                        plan.hash_routed, arch.routed_scaling_factor, arch.swiglu_limit,
                        arch.image_token_id if arch.family == V41 else -1)
-        self.engram = (Engram(arch, plan.engram_table, hasher, history, engram_host, max_tokens)
+        self.engram = (Engram(arch, plan.engram_table, hasher, history, engram_host, max_tokens, engram_arena)
                        if plan.engram_table is not None else None)
 
     def forward(self, streams: torch.Tensor, carry: torch.Tensor | None, batch: StepBatch,
@@ -140,11 +144,14 @@ class DeepseekModel(nn.Module):
             self.history = PagedCache(f"{prefix}.layers.{arch.engram_layer_ids[0]}.engram.history_cache",
                                       arch.head_dim * dtype.itemsize // torch.int32.itemsize, torch.int32,
                                       page_bytes, window=arch.engram_max_ngram_size)
-        host = engram_device(torch.device(vllm_config.device_config.device).type) == "host"
+        host, shared = engram_placement(vllm_config) if self.hasher is not None else (False, False)
+        # the world group is the one the tables' node arena was created on: load_weights ends with its barrier
+        self.engram_arena_group = get_world_group().cpu_group if shared else None
+        arena = node_arena(arch, torch.device(vllm_config.device_config.device).type == "cuda") if shared else None
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self.layers = nn.ModuleList(
             DecoderLayer(vllm_config, arch, l, self.ropes, f"{prefix}.layers.{l}", page_bytes, self.hasher,
-                         self.history, host, max_tokens)
+                         self.history, host, max_tokens, engram_arena=arena)
             for l in range(arch.num_layers))
         self._wire_shared_caches()
         engrams = [layer.engram for layer in self.layers if layer.engram is not None]
@@ -294,7 +301,10 @@ class DeepseekForCausalLM(nn.Module, DeepseekMixtureOfExperts):
         return self.logits_processor(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_checkpoint(self, self.arch, weights)
+        loaded = load_checkpoint(self, self.arch, weights)
+        if self.model.engram_arena_group is not None:  # node-shared Engram tables: the writer has filled them
+            dist.barrier(group=self.model.engram_arena_group)
+        return loaded
 
 
 class DeepseekV4ForCausalLM(DeepseekForCausalLM):

@@ -6,7 +6,8 @@ value, and a per-stream gate adds the value into the residual streams. Previous 
 from a per-request token-history cache (a paged sliding window of max_ngram - 1 tokens), so
 n-grams cross chunk and step boundaries.
 
-Table placement (`DEEPINFER_ENGRAM_DEVICE`, `engram_device`): `gpu` keeps the tables in device memory
+Table placement (`engram_placement`: `DEEPINFER_ENGRAM_DEVICE`, else vLLM's `--engram-config`
+`cpu_offload`): `gpu` keeps the tables in device memory
 and looks rows up inside the layer. `host` (the default on CUDA; the release tables are ~200 GB) keeps
 them in pinned host memory, which the GPU reads through a UVA view (`get_accelerator_view_from_cpu_tensor`,
 as vLLM's in-tree Engram does): at the start of each step, once the token ids are in the history cache,
@@ -15,19 +16,23 @@ staging buffers on a side stream, so the PCIe reads overlap the layers before th
 waits on its own event. Persistent buffers and a fork/join of the capturing stream keep the decode step
 capturable as a full CUDA graph. Off CUDA there is no side stream; the host path still hashes and
 stages all rows at step start, and must give bitwise the tokens of the in-layer path (tests).
-Under tensor parallelism the tables are replicated on every rank (vLLM's in-tree splits them by hash
-head); under data parallelism each DP rank holds its own copy (in-tree can share one host copy).
+Every rank holds whole tables (vLLM's in-tree splits them by hash head under TP). Host tables of a
+deployment with several ranks on a node are one copy per node in shared memory (`models/shared_host.py`),
+the node's first rank loading it: host memory per node is one set of tables whatever TP x DP (in-tree's
+`dp_shared_memory` gives the same for DP; under TP it stores one copy of every shard per node).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from vllm.config import VllmConfig
+from vllm.distributed import get_world_group
 from vllm.utils.platform_utils import is_uva_available
 from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
 
@@ -38,15 +43,42 @@ from vllm_deepinfer.checkpoint.formats import dequant_fp8_rows
 from vllm_deepinfer.config import ArchConfig
 from vllm_deepinfer.log import get_logger
 from vllm_deepinfer.models.layers import Linear, _param
+from vllm_deepinfer.models.shared_host import NodeArena
 from vllm_deepinfer.models.step import StepBatch
 from vllm_deepinfer.moe.layer import IMAGE_TOKEN_SPAN
 
 logger = get_logger(__name__)
 
 
-def engram_device(device_type: str) -> str:
-    """Table placement of this process (read at model construction)."""
-    return ops.parse_engram_device(os.environ.get(ops.ENGRAM_DEVICE_ENV), device_type)
+def engram_placement(vllm_config: VllmConfig) -> tuple[bool, bool]:
+    """(host tables, one node-shared copy) of this process, read at model construction.
+
+    `DEEPINFER_ENGRAM_DEVICE` decides where it is set; otherwise vLLM's `--engram-config` does
+    (`cpu_offload: false` keeps the tables on the device; default: host on CUDA). Host tables are one copy per
+    node shared by all its ranks (`models/shared_host.py`) when more than one rank runs, unless
+    `DEEPINFER_ENGRAM_SHARED=0`, or data parallel with vLLM's `dp_shared_memory: false`."""
+    cfg = vllm_config.engram_config
+    if cfg is not None and cfg.embedding_across_dp:
+        logger.warning("vllm-deepinfer: --engram-config embedding_across_dp is not used: every rank holds whole Engram "
+                       "tables, one host copy per node shared by its ranks (on one node the same host bytes as "
+                       "in-tree's TP x DP shards; across nodes one copy per node, not 1/nodes)")
+    if cfg is not None and cfg.use_thp:
+        logger.warning("vllm-deepinfer: --engram-config use_thp is not used: host Engram tables are pinned pages "
+                       "(vLLM's in-tree also falls back to them when huge pages are unavailable)")
+    device_type = torch.device(vllm_config.device_config.device).type
+    host = ops.parse_engram_device(os.environ.get(ops.ENGRAM_DEVICE_ENV), device_type,
+                                   cfg is None or cfg.cpu_offload) == "host"
+    par = vllm_config.parallel_config
+    dp_private = par.data_parallel_size > 1 and cfg is not None and cfg.dp_shared_memory is False
+    shared = (host and ops.parse_engram_shared(os.environ.get(ops.ENGRAM_SHARED_ENV)) and not dp_private
+              and dist.is_initialized() and get_world_group().world_size > 1)
+    return host, shared
+
+
+def node_arena(arch: ArchConfig, pin: bool) -> NodeArena | None:
+    """The node-shared mapping of every Engram table of `arch` (collective over vLLM's world group)."""
+    shapes = [s for t in range(len(arch.engram_layer_ids)) for s in EngramTable.shapes(arch, t)]
+    return NodeArena.create(NodeArena.size(shapes), get_world_group().cpu_group, pin)
 
 
 class EngramHasher(nn.Module):
@@ -107,15 +139,14 @@ class Engram(nn.Module):
     """One Engram layer: table lookup, projection and gated injection into the streams."""
 
     def __init__(self, arch: ArchConfig, table: int, hasher: EngramHasher, history: PagedCache,
-                 host: bool = False, max_tokens: int = 0):
+                 host: bool = False, max_tokens: int = 0, arena: NodeArena | None = None):
         super().__init__()
         self.table, self.hasher, self.history = table, [hasher], history
         self.hc, self.hidden, self.eps = arch.hc_mult, arch.hidden_size, arch.rms_norm_eps
-        n_rows, d = arch.engram_num_embeddings[table], arch.engram_head_dim
         n_cols = (arch.engram_max_ngram_size - 1) * arch.engram_n_heads
-        self.embed = EngramTable(n_rows, d, n_cols, host, max_tokens)
+        self.embed = EngramTable(arch, table, n_cols, host, max_tokens, arena)
         self.prefetched: EngramPrefetch | None = None  # set by EngramPrefetch for host tables
-        self.wkv = Linear(n_cols * d, (self.hc + 1) * self.hidden)
+        self.wkv = Linear(n_cols * arch.engram_head_dim, (self.hc + 1) * self.hidden)
         self.q_weight = _param(self.hc, self.hidden)
         self.k_weight = _param(self.hc, self.hidden)
         self.image_token_id = arch.image_token_id
@@ -165,9 +196,11 @@ class EngramTable(nn.Module):
     """FP8 table with one E8M0 scale per 32 values per row, decoded on lookup.
 
     `host`: the table lives in host memory (pinned on CUDA) and rows are gathered into persistent
-    staging buffers of `max_tokens` tokens x `cols` rows by `prefetch` (see the module docstring)."""
+    staging buffers of `max_tokens` tokens x `cols` rows by `prefetch` (see the module docstring).
+    `arena`: host tables carved from the node-shared mapping, which only its writer's loader fills."""
 
-    def __init__(self, n_rows: int, dim: int, cols: int, host: bool = False, max_tokens: int = 0):
+    def __init__(self, arch: ArchConfig, table: int, cols: int, host: bool = False, max_tokens: int = 0,
+                 arena: NodeArena | None = None):
         super().__init__()
         self.host = host
         device = torch.get_default_device()
@@ -176,14 +209,28 @@ class EngramTable(nn.Module):
         if pin and not is_uva_available():
             raise RuntimeError(f"{ops.ENGRAM_DEVICE_ENV}=host needs UVA (pinned host memory the GPU can read); "
                                f"set {ops.ENGRAM_DEVICE_ENV}=gpu to keep the Engram tables in GPU memory")
-        zeros = functools.partial(torch.zeros, device=table_device, pin_memory=pin)
-        self.register_buffer("weight", zeros(n_rows, dim, dtype=torch.float8_e4m3fn), persistent=False)
-        self.register_buffer("scale", zeros(n_rows, dim // 32, dtype=torch.float8_e8m0fnu), persistent=False)
+        (w_shape, w_dtype), (s_shape, s_dtype) = self.shapes(arch, table)
+        if arena is not None:
+            weight, scale = arena.take(w_shape, w_dtype), arena.take(s_shape, s_dtype)
+        else:
+            weight = torch.zeros(w_shape, dtype=w_dtype, device=table_device, pin_memory=pin)
+            scale = torch.zeros(s_shape, dtype=s_dtype, device=table_device, pin_memory=pin)
+        self.register_buffer("weight", weight, persistent=False)
+        self.register_buffer("scale", scale, persistent=False)
+        self.shared = None if arena is None else f"{arena.path} ({arena.ranks} ranks)"
+        self.loads_checkpoint = arena is None or arena.writer  # the loader skips the tables of other writers
         self._views: tuple[torch.Tensor, torch.Tensor] | None = None
         self._n_staged = 0
         if host:  # persistent: addresses stay fixed across CUDA graph replays
-            self.staged_weight = torch.zeros(max_tokens, cols, dim, dtype=torch.float8_e4m3fn, device=device)
-            self.staged_scale = torch.zeros(max_tokens, cols, dim // 32, dtype=torch.float8_e8m0fnu, device=device)
+            d = arch.engram_head_dim
+            self.staged_weight = torch.zeros(max_tokens, cols, d, dtype=torch.float8_e4m3fn, device=device)
+            self.staged_scale = torch.zeros(max_tokens, cols, d // 32, dtype=torch.float8_e8m0fnu, device=device)
+
+    @staticmethod
+    def shapes(arch: ArchConfig, table: int) -> list[tuple[tuple[int, int], torch.dtype]]:
+        """(shape, dtype) of the codes and the scales of Engram table `table`."""
+        n_rows, d = arch.engram_num_embeddings[table], arch.engram_head_dim
+        return [((n_rows, d), torch.float8_e4m3fn), ((n_rows, d // 32), torch.float8_e8m0fnu)]
 
     @property
     def nbytes(self) -> int:
@@ -261,9 +308,13 @@ def log_engram_placement(layers: list[Engram]) -> None:
     """One line the planner can check: bytes of the Engram tables in host vs device memory (this rank)."""
     host = sum(e.embed.nbytes for e in layers if e.embed.host)
     dev = sum(e.embed.nbytes for e in layers if not e.embed.host)
+    shared = layers[0].embed.shared
+    where = ("one node-shared copy, " + shared + (", written by this rank" if layers[0].embed.loads_checkpoint
+                                                   else ", written by the node's first rank")
+             if shared else "replicated per rank")
     logger.info("vllm-deepinfer Engram tables: %d bytes (%.1f MiB) in host memory%s, %d bytes (%.1f MiB) in "
-                "device memory (%d layers, replicated per rank)", host, host / 2**20,
-                " (pinned)" if any(e.embed.pinned for e in layers) else "", dev, dev / 2**20, len(layers))
+                "device memory (%d layers, %s)", host, host / 2**20,
+                " (pinned)" if any(e.embed.pinned for e in layers) else "", dev, dev / 2**20, len(layers), where)
 
 
 def write_token_history(history: PagedCache, batch: StepBatch) -> None:

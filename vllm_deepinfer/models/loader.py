@@ -109,7 +109,9 @@ def write_tensors(model: nn.Module, tensors: dict[str, torch.Tensor], block: int
     loaded: set[str] = set()
     for name in tensors:
         if ".engram.embed." in name:  # the table stays FP8 (decoded per looked-up row)
-            buffers[rename(name)].copy_(tensors[name])
+            dst = rename(name)
+            if model.get_submodule(dst.rpartition(".")[0]).loads_checkpoint:  # node-shared: its writer only
+                buffers[dst].copy_(tensors[name])
             continue
         if name.endswith(".scale") and name[: -len("scale")] + "weight" in tensors:
             continue  # consumed with its weight

@@ -200,6 +200,7 @@ def batch_invariant() -> bool:
 FP8_LINEARS_ENV = "DEEPINFER_FP8_LINEARS"
 EXPERT_STORAGE_ENV = "DEEPINFER_EXPERT_STORAGE"
 ENGRAM_DEVICE_ENV = "DEEPINFER_ENGRAM_DEVICE"
+ENGRAM_SHARED_ENV = "DEEPINFER_ENGRAM_SHARED"
 _AUTO = ("", "auto", "0", "off", "false", "no", "none")  # values that mean `auto` for the settings below
 
 
@@ -220,17 +221,29 @@ def parse_storage(env: str, value: str | None) -> str:
     return v
 
 
-def parse_engram_device(value: str | None, device_type: str) -> str:
+def parse_engram_device(value: str | None, device_type: str, cpu_offload: bool = True) -> str:
     """`DEEPINFER_ENGRAM_DEVICE` -> 'host' or 'gpu'. `auto` (default; also unset or an off value): host
-    memory on CUDA, device memory elsewhere (off CUDA both are the same memory)."""
+    memory on CUDA unless vLLM's `--engram-config` says `cpu_offload: false`, device memory elsewhere (off
+    CUDA both are the same memory)."""
     v = (value or "").strip().lower()
     if v in _AUTO:
-        return "host" if device_type == "cuda" else "gpu"
+        return "host" if device_type == "cuda" and cpu_offload else "gpu"
     if v in ("host", "cpu"):
         return "host"
     if v in ("gpu", "device"):
         return "gpu"
     raise ValueError(f"{ENGRAM_DEVICE_ENV}={value!r} is unknown; accepted: host, gpu, auto")
+
+
+def parse_engram_shared(value: str | None) -> bool:
+    """`DEEPINFER_ENGRAM_SHARED` -> whether host tables may be one node-shared copy (`auto`, the default, and
+    `1`: yes, where more than one rank runs on a node; `0`: a private copy per rank)."""
+    v = (value or "").strip().lower()
+    if v in ("", "auto", "1", "on", "true", "yes"):
+        return True
+    if v in ("0", "off", "false", "no"):
+        return False
+    raise ValueError(f"{ENGRAM_SHARED_ENV}={value!r} is unknown; accepted: auto, 1, 0")
 
 
 def packed_storage(env: str, device_type: str) -> bool:

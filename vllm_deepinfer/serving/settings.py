@@ -13,6 +13,7 @@ always accepted: it asks for what the plugin does anyway.
 | `DEEPINFER_FP8_LINEARS` | honoured: `packed` keeps the FP8 block linears' E4M3 codes + E8M0 scale bytes (half the weight memory): on CUDA with bf16/fp16 activations repacked for vLLM's Marlin W8A16 GEMM (`ops.marlin`, what vLLM's in-tree V4.1 runs on SM90) except the thin matrices (wq_a\|wkv, indexer wq_b: our Triton GEMM is faster there), otherwise the weight-only FP8 GEMM `ops.linear_fp8_block` (on CPU the torch reference op); `bf16` dequantises them at load; `auto` (default) = packed on CUDA, bf16 elsewhere (`vllm_deepinfer.ops.parse_storage`). Read at model construction. An unknown value stops start-up. |
 | `DEEPINFER_EXPERT_STORAGE` | honoured: the routed experts are vLLM's fused-MoE layer; `packed` keeps their MXFP4 codes + E8M0 scales (a quarter of the expert memory): on CUDA vLLM's MXFP4 method (`Mxfp4MoEMethod`, Marlin W4A16 on SM90), off CUDA the plugin's torch experts on the stored bytes (`ops.routed_experts_packed`, for tests); `bf16` dequantises at load (CUDA: vLLM's unquantized method; off CUDA: `ops.routed_experts`); `auto` (default) = packed on CUDA, bf16 elsewhere (`vllm_deepinfer.moe.method.expert_storage`). Read at model construction. An unknown value stops start-up. |
 | `DEEPINFER_ENGRAM_DEVICE` | honoured: where the V4.1 Engram tables live. `host` keeps them in pinned host memory and gathers each step's rows into device staging buffers on a side stream at step start (UVA reads, overlapped with the layers before the Engram layer; CUDA-graph safe); `gpu` keeps them in device memory; `auto` (default) = `host` on CUDA, `gpu` elsewhere (`vllm_deepinfer.ops.parse_engram_device`). Read at model construction; the load logs the bytes on host and device. An unknown value stops start-up. |
+| `DEEPINFER_ENGRAM_SHARED` | honoured: `auto`/`1` (default) makes host Engram tables one copy per node in shared memory (`/dev/shm`, unlinked once mapped) that every rank of a TP x DP deployment on the node maps and the node's first rank loads (`vllm_deepinfer/models/shared_host.py`; vLLM's `--engram-config` `dp_shared_memory: false` keeps private DP copies); `0` gives every rank a private copy. One process has nothing to share. An unknown value stops start-up. |
 | `DEEPINFER_BATCH_INVARIANT` | honoured: `1` turns on batch-invariant mode (the vLLM-style option is `--additional-config '{"deepinfer_batch_invariant": true}'`, which wins over the variable): ops run their batch-invariant variants and the sampler draws seeded tokens with noise keyed by (seed, position) (`vllm_deepinfer/serving/seeded_sampling.py`). Read at model construction. vLLM's `VLLM_BATCH_INVARIANT=1` is not an equivalent (different kernels/sampler, crashes on CPU) and is never substituted. |
 | `DEEPINFER_ENABLE_MTP_VARLEN` | honoured: `1` = confidence-scheduled verification, each request's drafts trimmed to the length that maximises the expected tokens per step time (`vllm_deepinfer/spec_decode/schedule.py`); `0` (default) = every draft verified. Read by the drafter at construction; needs speculation on (`--speculative-config`, or `DEEPINFER_USE_NEXTN_DECODE`; with neither, `1` turns on DeepInfer's default of 5 draft tokens). |
 | `DEEPINFER_USE_NEXTN_DECODE` | mapped: `N` >= 1 = `--speculative-config '{"method": "dspark" on V4.1 / "mtp" on V4, "num_speculative_tokens": N}'` for `vllm serve` and `LLM()` when no speculative config is given (a given one wins, with a warning; `patches/speculative_settings.py`). |
@@ -70,6 +71,8 @@ SETTINGS: dict[str, Setting] = {
         Setting("DEEPINFER_ENGRAM_DEVICE", "honoured", "the in-tree Engram's cpu_offload (on by default)",
                 "placement of the V4.1 Engram tables: auto (= host on CUDA), host (pinned host memory, rows "
                 "prefetched each step) or gpu (device memory)"),
+        Setting("DEEPINFER_ENGRAM_SHARED", "honoured", "the in-tree Engram's dp_shared_memory (on by default with DP)",
+                "host Engram tables: one node-shared copy for all ranks on a node (auto/1) or one per rank (0)"),
         Setting("DEEPINFER_BATCH_INVARIANT", "honoured",
                 "--additional-config '{\"deepinfer_batch_invariant\": true}' (VLLM_BATCH_INVARIANT is not equivalent)",
                 "batch-invariant ops and seeded sampling keyed by (seed, position)"),
@@ -142,6 +145,13 @@ def check(environ: dict[str, str] | None = None, platform_device: str | None = N
             try:
                 device = platform_device if platform_device is not None else _platform_device()
                 notes.append(f"{name}: {parse_engram_device(value, device or 'cpu')}")
+            except ValueError as e:
+                errors.append(str(e))
+        elif name == "DEEPINFER_ENGRAM_SHARED":
+            from vllm_deepinfer.ops import parse_engram_shared
+
+            try:
+                notes.append(f"{name}: " + ("one node-shared copy" if parse_engram_shared(value) else "one copy per rank"))
             except ValueError as e:
                 errors.append(str(e))
         elif name in ("DEEPINFER_USE_NEXTN_DECODE", "DEEPINFER_ENABLE_MTP_VARLEN"):

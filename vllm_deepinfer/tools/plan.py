@@ -22,7 +22,8 @@ What it counts (every tensor comes from `checkpoint.inventory.expected_tensors`,
   - MXFP4 routed experts: ``--experts packed`` = the checkpoint bytes (0.5 B per value + one E8M0 byte per 32);
     ``bf16`` = dequantised to ``--dtype``.
   - Engram tables: FP8 codes + one E8M0 byte per 32 values, always packed; ``--engram host`` (default; CUDA
-    keeps them in host memory and gathers the looked-up rows) counts them as host bytes, ``gpu`` on the device.
+    keeps them in host memory and gathers the looked-up rows) counts them as host bytes (one copy per node, shared
+    by all its ranks in /dev/shm; ``DEEPINFER_ENGRAM_SHARED=0``: one per rank), ``gpu`` on the device.
     The CPU test checks the plugin's CPU behaviour, where the tables are ordinary module buffers.
   - BF16 tensors (norms, embedding, head, router, index keys/weights projections) in ``--dtype``; F32 tensors
     (mHC, attention sink, router bias, compressor ``ape``) in float32; V4 hash-routing tables int64.
@@ -348,7 +349,8 @@ def report(arch: ArchConfig, dep: Deployment, a) -> dict:
             lines.append(f"  {k:20s} {_gib(w.per_gpu.get(k, 0))}   [{_gib(w.total.get(k, 0)).strip()}]")
     lines.append(f"  {'total on GPU':20s} {_gib(w.gpu_bytes)}")
     for k, b in w.host.items():
-        lines.append(f"  {'host: ' + k:20s} {_gib(b)}   (per process holding them)")
+        lines.append(f"  {'host: ' + k:20s} {_gib(b)}   (one copy per node, in /dev/shm when several ranks share it;"
+                     " DEEPINFER_ENGRAM_SHARED=0: per rank)")
     for k, b in w.not_loaded.items():
         lines.append(f"  not loaded: {k}: {_gib(b).strip()} as stored")
     lines += ["", f"KV cache (page {kv.page} B = {dep.block_size} window rows; {len(kv.groups)} vLLM groups of "
