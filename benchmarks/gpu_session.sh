@@ -10,7 +10,8 @@
 #   bash benchmarks/gpu_session.sh intree-bench BUDGET_S # vLLM in-tree full-width benchmark alone (the baseline column)
 #   bash benchmarks/gpu_session.sh memo BUDGET_S    # fidelity on the memorised-head checkpoints (token identity
 #       test): in-tree V4.1 + V4 (eager) || the plugin with CUDA graphs, exact and parity numerics
-#       (needs .gpuwork/head-{v41,v4}.safetensors from benchmarks/memorize_head.py, see NOTES.md)
+#       (needs .gpuwork/head-{v41,v4}.safetensors from benchmarks/memorize_head.py, see NOTES.md); also V4.1 with
+#       Engram tables on the GPU vs the default host tables, and tests/gpu/test_shared_host_gpu.py
 #   bash benchmarks/gpu_session.sh fw BUDGET_S      # a full-width reduced-depth V4.1 checkpoint made here by
 #       make_checkpoint --preset full-width: in-tree (eager) || the plugin with CUDA graphs, exact and parity
 #   bash benchmarks/gpu_session.sh engram BUDGET_S  # one GPU: DEEPINFER_ENGRAM_DEVICE=host vs gpu, CUDA graphs
@@ -120,12 +121,20 @@ memo_session() {  # BUDGET_S: token-identity fidelity on the memorised-head chec
     DEEPINFER_NUMERICS=parity timeout $left $F --impl ours --no-eager --cudagraph-sizes 1,2,4 \
       --ckpt .gpuwork/ckpt-${a}m --out "$OUT/oursP_${a}m.json" > "$LOGS/oP$a.log" 2>&1 &
   done
+  # Engram tables (issue 10): the default runs above keep them in pinned host memory; the same on the GPU, and the
+  # node-shared mapping pinned and read through UVA by two processes
+  DEEPINFER_ENGRAM_DEVICE=gpu timeout $left $F --impl ours --no-eager --cudagraph-sizes 1,2,4 --ckpt .gpuwork/ckpt-v41m \
+    --out "$OUT/oursG_v41m.json" > "$LOGS/oG41.log" 2>&1 &
+  timeout $left python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_shared_host_gpu.py > "$LOGS/shared_host.log" 2>&1 &
   wait
   for a in v41 v4; do
     for o in ours oursP; do
       python3 benchmarks/gpu_vllm_fidelity.py compare "$OUT/${o}_${a}m.json" "$OUT/intree_${a}m.json" 2>&1 | head -4
     done
   done
+  python3 benchmarks/gpu_vllm_fidelity.py compare "$OUT/ours_v41m.json" "$OUT/oursG_v41m.json" --labels host,gpu 2>&1 | head -4
+  grep -h "Engram tables\|Model loading took" "$LOGS/ov41.log" "$LOGS/oG41.log" | cut -c1-260
+  grep -E "passed|failed|Error" "$LOGS/shared_host.log" | tail -3
   pack_logs
   echo "memo session done t=$((SECONDS - t0)) s"
 }
