@@ -33,7 +33,7 @@ What is measured (warm-up runs excluded):
             steps are those where every request had its first token before the step (all prefills done), every
             request got a token in it and none finished: output tok/s = B / median steady step time (also p10/p90
             and the number of steady steps). No difference of two totals: prefill never enters the number.
-  profile   (--profile; the plugin only) torch.profiler top ops of one prefill call and of the decode steps at
+  profile   (--profile; both sides) torch.profiler top ops of one prefill call and of the decode steps at
             --profile-batch ((T(D) call - T(1) call) per op / (D - 1)); runs the engines in-process.
   engine    vLLM's own log lines of each side (model loading GiB, KV cache size / concurrency, KV group sizes),
             and for ours the memory planner's numbers for the same model dir and KV budget
@@ -264,7 +264,7 @@ def worker(a) -> None:
               f"{r['tok_s']:,.1f} output tok/s", flush=True)
         _dump(out, res)
 
-    if a.profile and a.impl == "ours":
+    if a.profile:
         res["profile"] = profile(a, timed, prefill_ns, decode_bs)
     res["total_s"] = round(time.time() - t0, 1)
     _dump(out, res)
@@ -331,7 +331,7 @@ def profile(a, timed, prefill_ns, decode_bs) -> dict:
             timed(k, length, mt)
         if a.trace_dir:
             Path(a.trace_dir).mkdir(parents=True, exist_ok=True)
-            prof.export_chrome_trace(str(Path(a.trace_dir) / f"ours_{k}x{length}_{mt}tok.json"))
+            prof.export_chrome_trace(str(Path(a.trace_dir) / f"{a.impl}_{k}x{length}_{mt}tok.json"))
         # On CUDA only kernel rows: an aten op's self device time is its kernels' time again.
         return {e.key: (getattr(e, attr, 0), e.count) for e in prof.key_averages()
                 if not cuda or e.device_type == torch.autograd.DeviceType.CUDA}
@@ -339,7 +339,7 @@ def profile(a, timed, prefill_ns, decode_bs) -> dict:
     def table(name: str, ops: dict[str, tuple[float, int]], unit: str) -> dict:
         total = sum(us for us, _ in ops.values()) or 1
         rows = sorted(ops.items(), key=lambda kv: kv[1][0], reverse=True)[: a.profile_top]
-        print(f"\n[ours] profile {name}: top {a.profile_top} ops by {attr} (total {total / 1e3:.3f} ms{unit})",
+        print(f"\n[{a.impl}] profile {name}: top {a.profile_top} ops by {attr} (total {total / 1e3:.3f} ms{unit})",
               flush=True)
         for op, (us, calls) in rows:
             print(f"  {us / 1e3:9.3f} ms {100 * us / total:5.1f}%  x{calls:<8g} {op[:90]}", flush=True)
@@ -414,7 +414,7 @@ def main(argv=None) -> int:
     p.add_argument("--kv-gib", type=float, default=24.0, help="fixed KV cache GiB (0: vLLM's memory profiling)")
     p.add_argument("--gpu-mem", type=float, default=0.85)
     p.add_argument("--no-jit-warmup", action="store_true", help="kernel_config: no JIT warm-up / FlashInfer autotune")
-    p.add_argument("--profile", action="store_true", help="torch.profiler top ops for ours (runs engines in-process)")
+    p.add_argument("--profile", action="store_true", help="torch.profiler top ops, both sides (runs engines in-process)")
     p.add_argument("--profile-top", type=int, default=25)
     p.add_argument("--profile-batch", type=int, default=64, help="decode batch of the per-step profile")
     p.add_argument("--inproc", action="store_true", help="VLLM_ENABLE_V1_MULTIPROCESSING=0 (implied by --profile)")
@@ -515,11 +515,11 @@ def main(argv=None) -> int:
                 results[impl]["planner"] = lines
         if rc != 0:
             print("  --- log tail ---\n  " + "\n  ".join(text[-25:]))
-        elif a.profile and impl == "ours":
+        elif a.profile:
             keep, on = [], False
             for ln in text:
-                on = on or ln.startswith("[ours] profile")
-                if on and not ln.startswith("[ours] done"):
+                on = on or ln.startswith(f"[{impl}] profile")
+                if on and not ln.startswith(f"[{impl}] done"):
                     keep.append(ln)
             print("\n".join(keep))
     return report(out, results, impls, {k: v for k, v in vars(a).items() if k not in ("worker", "impl", "result")},
