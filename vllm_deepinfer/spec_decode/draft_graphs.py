@@ -26,6 +26,7 @@ import dataclasses
 
 import torch
 from vllm.forward_context import set_forward_context
+from vllm.utils.torch_utils import current_stream
 
 from vllm_deepinfer.attention.backend import PagedCacheMetadata
 from vllm_deepinfer.log import get_logger
@@ -101,12 +102,16 @@ class DraftStepGraphs:
         return out[0][:b].clone(), out[1][:b].clone()
 
     def _capture(self, r: int, n: int, metadata: dict[str, PagedCacheMetadata]) -> None:
-        """Capture `_step` for (r, n); if capturing fails, warn once and stay on the eager fixed-buffer step."""
+        """Capture `_step` for (r, n); if capturing fails, warn once and stay on the eager fixed-buffer step.
+
+        Captured on vLLM's current stream, where the eager steps ran: kernels that take a per-stream workspace
+        from vLLM's workspace manager (Marlin's locks) find the one allocated before the manager was locked; a
+        side stream would ask for a new one and fail (H200, 2026-12-03)."""
         g = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(g, pool=self.pool, stream=current_stream(), capture_error_mode="thread_local"):
                 captured = self._step(r, n, metadata)
-        except RuntimeError as e:
+        except (RuntimeError, AssertionError) as e:
             logger.warning("vllm-deepinfer DSpark: capturing the draft step for %d requests failed (%s); "
                            "drafting stays eager", r, e)
             self.pool = None
