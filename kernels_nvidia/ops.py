@@ -17,6 +17,7 @@ from kernels_nvidia.indexer import (  # noqa: F401
 )
 from kernels_nvidia.mhc import hc_coefficients, hc_collapse, hc_expand  # noqa: F401
 from kernels_nvidia.moe import routed_experts_packed  # noqa: F401
+from kernels_nvidia.paging import range_slots, row_slots  # noqa: F401
 from kernels_nvidia.rowwise import apply_rope, rms_norm  # noqa: F401
 
 # topk_rows: the packed-key torch.topk measured 0.4-0.5x the oracle's stable sort on the H200, so the
@@ -24,4 +25,4 @@ from kernels_nvidia.rowwise import apply_rope, rms_norm  # noqa: F401
 OPS = ("sparse_attention", "sparse_attention_indexed", "sparse_attention_paged", "softmax_pool", "indexer_scores",
        "indexer_scores_paged", "indexer_scores_ragged",
        "hc_coefficients", "hc_collapse", "hc_expand", "linear_fp32_out", "linear_fp8_block",
-       "routed_experts_packed", "rms_norm", "apply_rope")
+       "routed_experts_packed", "rms_norm", "apply_rope", "row_slots", "range_slots")

@@ -412,3 +412,31 @@ def test_dispatch_uses_kernels(device):
     assert _rel(ops.hc_collapse(x, w), ref.hc_collapse(x.cpu(), w.cpu())) < 1e-6
     s = torch.randn(4, 100, device=device)
     assert torch.equal(ops.topk_rows(s, 10).cpu(), ref.topk_rows(s.cpu(), 10))
+
+
+@pytest.mark.parametrize("tokens_per_row,block_size", [(1, 64), (4, 256), (128, 2048)])
+def test_row_and_range_slots(device, tokens_per_row, block_size):
+    """Paged slots equal the oracle's exactly: explicit ids (plain, masked with -1s, negative ids unmasked,
+    with `keep`), 1-D and 2-D, and id ranges with and without an upper bound; ids past the table clamp."""
+    from kernels_nvidia import paging
+
+    _seed()
+    rpb = block_size // tokens_per_row
+    n_req, n_blocks, t, k = 5, 7, 9, 37
+    bt = torch.randint(1, 500, (n_req, n_blocks), dtype=torch.int32, device=device)
+    req = torch.randint(0, n_req, (t,), device=device)
+    hi = n_blocks * rpb + 3 * rpb  # some ids past the table
+    ids = torch.randint(-3, hi, (t, k), device=device)
+    keep = torch.rand(t, device=device) < 0.6
+    args = (tokens_per_row, block_size, rpb)
+    for masked in (False, True):
+        for kp in (None, keep):
+            want = ref.row_slots(bt, req.unsqueeze(1), ids, *args, masked=masked, keep=kp)
+            assert torch.equal(paging.row_slots(bt, req.unsqueeze(1), ids, *args, masked=masked, keep=kp), want)
+            want1 = ref.row_slots(bt, req, ids[:, 0], *args, masked=masked, keep=kp)
+            assert torch.equal(paging.row_slots(bt, req, ids[:, 0], *args, masked=masked, keep=kp), want1)
+    start = torch.randint(-40, hi, (t,), device=device)
+    stop = torch.randint(0, hi, (t,), device=device)
+    for s in (None, stop):
+        assert torch.equal(paging.range_slots(bt, req, start, k, s, *args),
+                           ref.range_slots(bt, req, start, k, s, *args))

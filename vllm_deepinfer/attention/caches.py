@@ -35,6 +35,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowMLASpec,
 )
 
+from vllm_deepinfer import ops
 from vllm_deepinfer.attention.backend import PagedCacheBackend, PagedCacheMetadata
 
 
@@ -123,30 +124,37 @@ class PagedCache(nn.Module, AttentionLayerBase):
         """All cache rows, [num_blocks * rows_per_block, width]."""
         return self.kv_cache.view(-1, self.width)
 
-    def row_slots(self, meta: PagedCacheMetadata, req: int | torch.Tensor, row_ids: torch.Tensor) -> torch.Tensor:
-        """Flat slots of rows `row_ids` of request(s) `req` in `rows` (req broadcasts against row_ids).
+    def row_slots(self, meta: PagedCacheMetadata, req: int | torch.Tensor, row_ids: torch.Tensor,
+                  masked: bool = False, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Flat slots of rows `row_ids` of request(s) `req` in `rows` (req broadcasts against row_ids;
+        `ops.row_slots`).
 
         Row ids are clamped into the block table, so any id (e.g. of a padded token) maps to some slot;
-        callers mask what they read and send writes they must drop to the null block (slot 0).
+        callers mask what they read (`masked`: -1 where the id is -1) and send writes they must drop to the
+        null block (`keep` False: slot 0).
         """
-        tok = row_ids * self.tokens_per_row
-        col = (tok // self.block_size).clamp(0, meta.block_table.shape[1] - 1)
-        block = meta.block_table[req, col].long()
-        return block * self.rows_per_block + (tok % self.block_size) // self.tokens_per_row
+        if not isinstance(req, torch.Tensor):
+            req = torch.full((row_ids.shape[0],), req, dtype=torch.long, device=row_ids.device)
+        return ops.row_slots(meta.block_table, req, row_ids, self.tokens_per_row, self.block_size,
+                             self.rows_per_block, masked, keep)
 
     def masked_slots(self, meta: PagedCacheMetadata, req: torch.Tensor, row_ids: torch.Tensor) -> torch.Tensor:
         """`row_slots` of row ids [...] (-1 = none), -1 kept where the id is -1 (for in-place paged reads)."""
-        return torch.where(row_ids >= 0, self.row_slots(meta, req, row_ids.clamp(min=0)), -1)
+        return self.row_slots(meta, req, row_ids, masked=True)
+
+    def range_slots(self, meta: PagedCacheMetadata, req: torch.Tensor, start: torch.Tensor, count: int,
+                    stop: torch.Tensor | None = None) -> torch.Tensor:
+        """Masked slots of rows start[t] .. start[t] + count - 1 of request req[t]; rows below 0 or at or above
+        stop[t] -> -1. req, start, stop: [T] -> [T, count] (`ops.range_slots`)."""
+        return ops.range_slots(meta.block_table, req, start, count, stop, self.tokens_per_row, self.block_size,
+                               self.rows_per_block)
 
     def write(self, meta: PagedCacheMetadata, req: int | torch.Tensor, row_ids: torch.Tensor, values: torch.Tensor,
               keep: torch.Tensor | None = None) -> None:
         """Store rows `row_ids` [N] of request(s) `req`; values: [N, width]; rows where `keep` [N] is
         False go to the null block (fixed shapes for the decode path)."""
         if row_ids.numel():
-            slots = self.row_slots(meta, req, row_ids)
-            if keep is not None:
-                slots = torch.where(keep, slots, 0)
-            self.rows[slots] = values.to(self.dtype)
+            self.rows[self.row_slots(meta, req, row_ids, keep=keep)] = values.to(self.dtype)
 
     def read(self, meta: PagedCacheMetadata, req: int | torch.Tensor, row_ids: torch.Tensor) -> torch.Tensor:
         """Load rows `row_ids` [...] of request(s) `req` -> [..., width]."""

@@ -174,17 +174,15 @@ class Attention(nn.Module):
         max_model_len / m, masked to the visible ones), read in place from the two paged caches by slot.
         """
         meta = batch.meta(self.window_cache)
-        dev, req = q.device, batch.req.unsqueeze(1)
         pos = batch.dec_positions
         self.window_cache.write(meta, batch.req, pos, kv, keep=batch.live)
-        window = pos.unsqueeze(1) - self.window + 1 + torch.arange(self.window, device=dev)      # [T, W]
-        win = self.window_cache.masked_slots(meta, req, window)
+        win = self.window_cache.range_slots(meta, batch.req, pos - (self.window - 1), self.window)     # [T, W]
         rows, sel = self.window_cache.rows, win[:, :0]  # SWA-only layer: an empty second key source
         if self.plan.ratio > 0:
-            n_visible = (pos + 1) // self.plan.ratio
-            if selected is None:  # HCA: every visible row
-                every = torch.arange(meta.max_model_len // self.plan.ratio + 1, device=dev)
-                selected = torch.where(every < n_visible.unsqueeze(1), every, -1)
-            rows = self.kv_source.rows
-            sel = self.kv_source.masked_slots(batch.meta(self.kv_source), req, selected)
+            rows, src = self.kv_source.rows, batch.meta(self.kv_source)
+            if selected is None:  # HCA: every visible row, (pos + 1) // m of them
+                sel = self.kv_source.range_slots(src, batch.req, torch.zeros_like(pos),
+                                                 meta.max_model_len // self.plan.ratio + 1, (pos + 1) // self.plan.ratio)
+            else:
+                sel = self.kv_source.masked_slots(src, batch.req.unsqueeze(1), selected)
         return ops.sparse_attention_paged(q, self.window_cache.rows, win, rows, sel, self.attn_sink, self.scale)

@@ -115,6 +115,16 @@ def indexer_scores_paged(q, weights, keys, block_table, n_valid, n_rows, rows_pe
                      fallback=functools.partial(reference.indexer_scores_paged, score=indexer_scores_gathered))
 
 
+def row_slots(block_table, req, row_ids, tokens_per_row, block_size, rows_per_block, masked=False, keep=None):
+    return _dispatch("row_slots", block_table, block_table, req, row_ids, tokens_per_row, block_size, rows_per_block,
+                     masked, keep)
+
+
+def range_slots(block_table, req, start, count, stop, tokens_per_row, block_size, rows_per_block):
+    return _dispatch("range_slots", block_table, block_table, req, start, count, stop, tokens_per_row, block_size,
+                     rows_per_block)
+
+
 def softmax_pool(values, logits):
     return _dispatch("softmax_pool", values, values, logits)
 
@@ -254,7 +264,7 @@ def packed_storage(env: str, device_type: str) -> bool:
 
 
 for _f in (rms_norm, apply_rope, sparse_attention, sparse_attention_indexed, sparse_attention_gathered,
-           sparse_attention_paged, softmax_pool, indexer_scores, indexer_scores_gathered, indexer_scores_paged,
+           sparse_attention_paged, row_slots, range_slots, softmax_pool, indexer_scores, indexer_scores_gathered, indexer_scores_paged,
            indexer_scores_ragged, topk_rows, linear_fp32_out, linear_fp8_block,
            hc_coefficients, hc_collapse, hc_expand, routed_experts, routed_experts_packed):
     _f.__doc__ = getattr(reference, _f.__name__).__doc__

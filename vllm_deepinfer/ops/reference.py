@@ -445,6 +445,36 @@ def indexer_scores_ragged(q: torch.Tensor, weights: torch.Tensor, keys: torch.Te
 
 
 # ----------------------------------------------------------------------------- paged forms (decode)
+def row_slots(block_table: torch.Tensor, req: torch.Tensor, row_ids: torch.Tensor, tokens_per_row: int,
+              block_size: int, rows_per_block: int, masked: bool = False,
+              keep: torch.Tensor | None = None) -> torch.Tensor:
+    """Flat slots of rows `row_ids` of requests `req` in a paged row buffer (one row per `tokens_per_row`
+    tokens, `block_size` tokens per block): row i lives in block block_table[r, i*m // block_size], slot
+    (i*m % block_size) // m of it. block_table: [R, NB]; req: [T] or [T, 1]; row_ids: [T] or [T, K] -> int64,
+    row_ids' shape. Block columns past the table are clamped into it (any id maps to some slot); `masked`:
+    ids < 0 give -1; `keep` [T]: slot 0 (the null block) where False, for fixed-shape writes."""
+    if masked:
+        return torch.where(row_ids >= 0, row_slots(block_table, req, row_ids.clamp(min=0), tokens_per_row,
+                                                   block_size, rows_per_block, keep=keep), -1)
+    if req.dim() < row_ids.dim():
+        req = req.reshape(*req.shape, *[1] * (row_ids.dim() - req.dim()))
+    tok = row_ids * tokens_per_row
+    col = (tok // block_size).clamp(0, block_table.shape[1] - 1)
+    slots = block_table[req, col].long() * rows_per_block + (tok % block_size) // tokens_per_row
+    return slots if keep is None else torch.where(keep.view(-1, *[1] * (slots.dim() - 1)), slots, 0)
+
+
+def range_slots(block_table: torch.Tensor, req: torch.Tensor, start: torch.Tensor, count: int,
+                stop: torch.Tensor | None, tokens_per_row: int, block_size: int, rows_per_block: int) -> torch.Tensor:
+    """`row_slots` (masked) of the row ids start[t] + j, j < count, of request req[t]; ids below 0 or at or above
+    stop[t] (None: no upper bound) give -1. start, stop: [T] -> [T, count] int64 (decode's window rows,
+    HCA's visible rows)."""
+    ids = start.unsqueeze(1) + torch.arange(count, device=start.device)
+    valid = ids >= 0 if stop is None else (ids >= 0) & (ids < stop.unsqueeze(1))
+    return row_slots(block_table, req, torch.where(valid, ids, -1), tokens_per_row, block_size, rows_per_block,
+                     masked=True)
+
+
 def paged_slots(block_table: torch.Tensor, n_rows: int, rows_per_block: int) -> torch.Tensor:
     """Slots of rows 0..n_rows-1 of each token's request in a paged row buffer: row i lives at
     block_table[t, i // rows_per_block] * rows_per_block + i % rows_per_block. block_table: [T, NB] -> [T, N]

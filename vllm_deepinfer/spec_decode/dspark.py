@@ -145,9 +145,8 @@ class DSparkAttention(Attention):
         cos, sin = self.rope.cos_sin(block.positions)
         q = ops.apply_rope(self.wq_b(self.q_norm(self.wq_a(x))).view(t, self.n_heads, self.head_dim), cos, sin)
         kv = self._keys(x, cos, sin)
-        context = block.anchor_pos.unsqueeze(1) - self.window + torch.arange(self.window, device=x.device)  # [B, W]
-        slots = self.window_cache.masked_slots(block.attn_metadata[self.window_cache.prefix], block.req.unsqueeze(1),
-                                               torch.where(context >= 0, context, -1))
+        slots = self.window_cache.range_slots(block.attn_metadata[self.window_cache.prefix], block.req,
+                                              block.anchor_pos - self.window, self.window)            # [B, W]
         own = torch.arange(t, device=x.device).view(-1, n)                                           # [B, N]
         out = ops.sparse_attention_paged(q, self.window_cache.rows, slots.repeat_interleave(n, 0), kv,
                                          own.repeat_interleave(n, 0), self.attn_sink, self.scale)
