@@ -13,7 +13,9 @@ DEEPINFER_ENABLE_MTP_VARLEN=1 and synchronous scheduling, which it needs); `--in
 For each batch size B: B random prompts of --prompt-len tokens, greedy, --new-tokens each (ignore_eos), as one
 `generate` after a warm-up call (prefix caching off, so both do the same work); per-user tok/s = new tokens /
 wall time; plus vLLM's spec-decode counters (acceptance rate, mean accepted length, per-position acceptance) over
-the timed call.
+the timed call. `--host-profile`: the engine runs in-process and one more batch-1 call (after the timed ones, so
+the numbers are unaffected) is cProfiled: the top functions by own time and by cumulative time per mode, to see
+where a host-bound speculative step goes.
 """
 
 from __future__ import annotations
@@ -82,7 +84,32 @@ def run_mode(args: argparse.Namespace) -> dict:
                        mean_verified=d["num_draft_tokens"] / d["num_drafts"])
         results.append(row)
         print(json.dumps({"mode": args.mode, "row": row}), flush=True)
+    if args.host_profile:
+        host_profile(llm, args, rng, params)
     return {"mode": args.mode, "method": method, "k": args.k, "model": args.model, "results": results}
+
+
+def host_profile(llm, args: argparse.Namespace, rng, params) -> None:
+    """cProfile one batch-1 generate call of --new-tokens (in-process engine: the engine core's Python is seen)."""
+    import cProfile
+    import io
+    import pstats
+
+    from vllm.inputs import TokensPrompt
+
+    prompt = [TokensPrompt(prompt_token_ids=[rng.randrange(10, 8000) for _ in range(args.prompt_len)])]
+    llm.generate(prompt, params, use_tqdm=False)
+    prof = cProfile.Profile()
+    t = time.perf_counter()
+    prof.enable()
+    llm.generate(prompt, params, use_tqdm=False)
+    prof.disable()
+    wall = time.perf_counter() - t
+    for key in ("tottime", "cumulative"):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(30)
+        print(f"== host profile ({args.mode}, batch 1, {args.new_tokens} tokens, {wall:.3f} s under cProfile), "
+              f"by {key}\n" + "\n".join(buf.getvalue().splitlines()[-36:]), flush=True)
 
 
 def run_child(mode: str, args: argparse.Namespace, out: Path) -> dict:
@@ -90,6 +117,8 @@ def run_child(mode: str, args: argparse.Namespace, out: Path) -> dict:
     env = dict(os.environ, DEEPINFER_ENABLE_MTP_VARLEN="1" if mode == "varlen" else "0")
     if mode.startswith("intree"):
         env["DEEPINFER_DISABLE"] = "1"
+    if args.host_profile:  # the engine core in this process, where cProfile sees it
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     argv = [sys.executable, __file__, *sys.argv[1:], "--mode", mode]
     log = out / f"{mode}.log"
     error = None
@@ -126,6 +155,8 @@ def main() -> None:
     p.add_argument("--modes", type=lambda s: s.split(","), help="comma list of modes (default: all that apply)")
     p.add_argument("--mode-timeout", type=float, default=240, help="seconds per mode (engine start included)")
     p.add_argument("--no-jit-warmup", action="store_true", help="kernel_config: no JIT warm-up / FlashInfer autotune")
+    p.add_argument("--host-profile", action="store_true",
+                   help="in-process engines; cProfile one extra batch-1 call per mode (printed in the mode's log)")
     p.add_argument("--device-smoke", action="store_true", help="CPU smoke run: eager, fp32, small sizes")
     p.add_argument("--mode", choices=["off", "fixed", "varlen", "intree", "intree-varlen"], help=argparse.SUPPRESS)
     args = p.parse_args()

@@ -276,6 +276,7 @@ invariant_session() {  # BUDGET_S, one GPU (issue 12): the batch-invariance test
 }
 
 spec_session() {  # BUDGET_S [ARCH] [DRAFTER], one GPU (issue 11): a tiny-gpu checkpoint whose drafter reproduces
+  # (HOST_PROFILE=1: in-process engines, a cProfile of one batch-1 call per mode in its log)
   # the target (or is noise), speculation off / fixed / varlen, ours and (reproduce) in-tree, batch 1/8/32
   local budget=$1 arch=${2:-v4.1-flash} drafter=${3:-reproduce} t0=$SECONDS
   vllm_env
@@ -285,6 +286,7 @@ spec_session() {  # BUDGET_S [ARCH] [DRAFTER], one GPU (issue 11): a tiny-gpu ch
   timeout $((budget - (SECONDS - t0) - 15)) python3 benchmarks/bench_spec_decode.py --model $ckpt \
     --out "$LOGS/spec-$arch-$drafter" --no-jit-warmup --k ${K:-5} --batches ${BATCHES:-1,8,32} --new-tokens ${NEW:-128} \
     $([ "$drafter" = reproduce ] && echo --intree) ${MODES:+--modes $MODES} --mode-timeout ${MODE_T:-240} \
+    ${HOST_PROFILE:+--host-profile} \
     > "$OUT/spec_${arch}_${drafter}${MODES:+_${MODES//,/-}}.out" 2>&1
   echo "spec bench rc=$? t=$((SECONDS - t0)) s"
   tail -16 "$OUT/spec_${arch}_${drafter}${MODES:+_${MODES//,/-}}.out"
