@@ -253,6 +253,19 @@ def main():
         ms_r = bench(lambda: ref.topk_rows(s, 512))
         record(f"topk_rows_packed T={t} N={n} k=512", ms_k, ms_r, t * n * 4 + t * 512 * 8, 0, copy_gbs, gemm_tf)
 
+    # --- paged cache slots (decode addressing: window rows, selected rows), kernel vs the oracle's torch ops
+    bt = torch.randint(1, 60000, (256, 64), device=DEV, dtype=torch.int32)
+    for t in (1, 64, 256):
+        req = torch.arange(t, device=DEV)
+        pos = torch.randint(200, 4000, (t,), device=DEV)
+        sel = torch.randint(-1, 1000, (t, 512), device=DEV)
+        ms_k = bench(lambda: kn.range_slots(bt, req, pos - 127, 128, None, 1, 64, 64))
+        ms_r = bench(lambda: ref.range_slots(bt, req, pos - 127, 128, None, 1, 64, 64))
+        record(f"range_slots (window) T={t} W=128", ms_k, ms_r, t * 128 * 12, 0, copy_gbs, gemm_tf)
+        ms_k = bench(lambda: kn.row_slots(bt, req.unsqueeze(1), sel, 4, 256, 64, True))
+        ms_r = bench(lambda: ref.row_slots(bt, req.unsqueeze(1), sel, 4, 256, 64, True))
+        record(f"row_slots (selected, masked) T={t} K=512", ms_k, ms_r, t * 512 * 20, 0, copy_gbs, gemm_tf)
+
     # --- mHC
     hc, D = 4, 4096
     fn = torch.randn(24, hc * D, device=DEV) * 0.02
