@@ -115,6 +115,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_ranks(target, n: int = 2, timeout: float = 300) -> None:
+    """Run target(rank, port, failures) in n spawned processes (a process group on a free loopback port);
+    each puts its failure text on `failures`. Asserts every rank exited 0 and reported nothing."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    failures = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, port, failures)) for r in range(n)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=timeout)
+    assert failures.empty(), failures.get()
+    assert [p.exitcode for p in procs] == [0] * n
+
+
 class Server:
     """`vllm serve MODEL` (through `vllm_deepinfer.serving.cli`) as a real process on loopback: float32, eager,
     small KV budget, plus `args`; `env` adds variables. Logs to `log`; `stop()` ends its process group."""

@@ -23,7 +23,7 @@ import re
 
 import pytest
 
-from tests.conftest import Server, engine, free_port, tiny_checkpoint
+from tests.conftest import Server, engine, free_port, run_ranks, tiny_checkpoint
 from vllm_deepinfer.models.shared_host import FILE_PREFIX, SHM_DIR
 
 httpx = pytest.importorskip("httpx")
@@ -139,15 +139,4 @@ def _collectives_worker(rank: int, port: int, failures) -> None:
 
 def test_cpu_gatherv_exact():
     """The patched all_gatherv / reduce_scatterv on two gloo ranks: uneven and empty shares, lists, int ids."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    failures = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_collectives_worker, args=(r, port, failures)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-    assert [p.exitcode for p in procs] == [0, 0]
-    assert failures.empty(), failures.get()
+    run_ranks(_collectives_worker)

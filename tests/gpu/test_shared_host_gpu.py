@@ -60,17 +60,6 @@ def test_node_arena_pinned_and_read_through_uva():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     pytest.importorskip("vllm")
-    import torch.multiprocessing as mp
+    from tests.conftest import run_ranks
 
-    from tests.conftest import free_port
-
-    ctx = mp.get_context("spawn")
-    failures = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, failures)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-    assert failures.empty(), failures.get()
-    assert [p.exitcode for p in procs] == [0, 0]
+    run_ranks(_rank)
