@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from vllm_deepinfer.ops import reference
+from vllm_deepinfer.ops import flashmla, reference
 from vllm_deepinfer.ops.reference import (  # noqa: F401  (reference-only ops)
     elementwise,
     grouped_low_rank,
@@ -92,6 +92,11 @@ def sparse_attention(q, keys, allowed, sink, scale):
 
 
 def sparse_attention_indexed(q, kv, idx, sink, scale):
+    # FlashMLA's sparse prefill kernel from vLLM's CUDA wheel where it takes the shapes (`ops.flashmla`)
+    if KERNELS != "reference" and not reference.BATCH_INVARIANT and flashmla.takes(q, kv):
+        out = flashmla.sparse_attention_indexed(q, kv, idx, sink, scale)
+        if out is not None:
+            return out
     return _dispatch("sparse_attention_indexed", q, q, kv, idx, sink, scale)
 
 
