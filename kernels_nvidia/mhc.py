@@ -111,9 +111,34 @@ def hc_coefficients(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor,
         _hc_mu_partial_kernel[(triton.cdiv(c, bt), nsplit)](
             x[t0:], fn, part, sq, c, k, m, x.stride(0), fn.stride(0),
             KCHUNK=KCHUNK, BT=bt, BK=64, MP=mp, num_warps=4, num_stages=2)
-        _hc_finalize_kernel[(triton.cdiv(c, bt),)](
-            part, sq, base, scale, pre[t0:], post[t0:], comb[t0:], c, k,
-            float(rms_eps), float(hc_eps), int(sinkhorn_iters), NSPLIT=nsplit, HC=h, MP=mp, BT=bt, num_warps=4)
+        _finalize(part, sq, base, scale, pre[t0:], post[t0:], comb[t0:], c, k, rms_eps, hc_eps, sinkhorn_iters, h)
+    return pre, post, comb
+
+
+def _finalize(part, sq, base, scale, pre, post, comb, t: int, k: int, rms_eps: float, hc_eps: float, iters: int,
+              h: int) -> None:
+    """Sum the split partials part [S, >= t, MP] / sq [S, >= t] in split order, then pre, post, comb of t tokens."""
+    bt = 16
+    _hc_finalize_kernel[(triton.cdiv(t, bt),)](
+        part, sq, base, scale, pre, post, comb, t, k, float(rms_eps), float(hc_eps), int(iters),
+        NSPLIT=part.shape[0], HC=h, MP=part.shape[2], BT=bt, num_warps=4)
+
+
+def hc_coefficients_from_partials(part: torch.Tensor, sq: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                                  k: int, rms_eps: float, hc_eps: float, sinkhorn_iters: int, h: int):
+    """`hc_coefficients` from split-K partial products computed elsewhere (e.g. DeepGEMM's tf32 prenorm GEMM):
+    part: [S, T, (2+h)h] = per split v . fn^T; sq: [S, T] = per split sum(v^2); k = h*D (the RMS divisor)
+    -> pre [T,h], post [T,h], comb [T,h,h] (fp32)."""
+    s, t, m = part.shape
+    if h & (h - 1) or m != (2 + h) * h or sq.shape != (s, t):
+        raise NotImplementedError(f"partials {tuple(part.shape)} / {tuple(sq.shape)} for hc_mult {h}")
+    dev = part.device
+    pre = torch.empty(t, h, dtype=torch.float32, device=dev)
+    post = torch.empty(t, h, dtype=torch.float32, device=dev)
+    comb = torch.empty(t, h, h, dtype=torch.float32, device=dev)
+    if t:
+        _finalize(part.contiguous(), sq.contiguous(), base.float().contiguous(), scale.float().contiguous(), pre,
+                  post, comb, t, k, rms_eps, hc_eps, sinkhorn_iters, h)
     return pre, post, comb
 
 

@@ -322,6 +322,26 @@ def test_hc_coefficients(device, dtype):
         assert err < 1e-4  # fp32 math on both sides; split-K changes the summation order only
 
 
+def test_hc_coefficients_from_partials(device):
+    """The finalize step on partials made elsewhere (DeepGEMM's layout: [S, T, (2+h)h] and [S, T], uneven splits)."""
+    from kernels_nvidia import mhc
+    _seed()
+    h, d, t = 4, 256, 9
+    m, k = (2 + h) * h, h * d
+    streams = torch.randn(t, h, d, device=device).to(torch.bfloat16)
+    fn = torch.randn(m, k, device=device) * 0.02
+    base = torch.randn(m, device=device) * 0.1
+    scale = torch.rand(3, device=device) + 0.5
+    x = streams.reshape(t, k).float()
+    cuts = [0, 100, 640, k]  # three splits of unequal width
+    part = torch.stack([x[:, a:b] @ fn[:, a:b].t() for a, b in zip(cuts, cuts[1:])])
+    sq = torch.stack([x[:, a:b].square().sum(-1) for a, b in zip(cuts, cuts[1:])])
+    got = mhc.hc_coefficients_from_partials(part, sq, base, scale, k, 1e-6, 1e-6, 20, h)
+    want = ref.hc_coefficients(streams.cpu(), fn.cpu(), base.cpu(), scale.cpu(), 1e-6, 1e-6, 20)
+    for name, g, w in zip(("pre", "post", "comb"), got, want):
+        assert _rel(g, w) < 1e-4, name
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_hc_collapse_expand(device, dtype):
     from kernels_nvidia import ops as kn

@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from vllm_deepinfer.ops import flashmla, reference
+from vllm_deepinfer.ops import deepgemm, flashmla, reference
 from vllm_deepinfer.ops.reference import (  # noqa: F401  (reference-only ops)
     elementwise,
     grouped_low_rank,
@@ -155,6 +155,11 @@ def linear_fp8_block(x, w, scale, block, groups=1):
 
 
 def hc_coefficients(streams, fn, base, scale, rms_eps, hc_eps, sinkhorn_iters):
+    # DeepGEMM's tf32 prenorm GEMM from vLLM's CUDA build where switched on (`ops.deepgemm`)
+    if KERNELS != "reference" and not reference.BATCH_INVARIANT and deepgemm.takes(streams):
+        out = deepgemm.hc_coefficients(streams, fn, base, scale, rms_eps, hc_eps, sinkhorn_iters)
+        if out is not None:
+            return out
     return _dispatch("hc_coefficients", streams, streams, fn, base, scale, rms_eps, hc_eps, sinkhorn_iters)
 
 
