@@ -13,6 +13,8 @@ the library kernel (not the fallback).
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -20,19 +22,25 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("t,k,rows", [(300, 640, 4096), (37, 130, 200)])
-def test_flashmla_prefill_matches_oracle(t, k, rows, monkeypatch):
+def _switched_on(name: str, monkeypatch):
+    """`vllm_deepinfer.ops.<name>` with its library path on (skips without CUDA, vLLM or the library kernel)."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     pytest.importorskip("vllm")
+    mod = importlib.import_module(f"vllm_deepinfer.ops.{name}")
+    if mod._kernel() is None:
+        pytest.skip(f"{name}: the library kernel is unavailable on this GPU / build")
+    monkeypatch.setitem(mod._state, "off", False)
+    torch.manual_seed(0)
+    return mod
+
+
+@pytest.mark.parametrize("t,k,rows", [(300, 640, 4096), (37, 130, 200)])
+def test_flashmla_prefill_matches_oracle(t, k, rows, monkeypatch):
+    flashmla = _switched_on("flashmla", monkeypatch)
     from vllm_deepinfer import ops
-    from vllm_deepinfer.ops import flashmla
     from vllm_deepinfer.ops import reference as ref
 
-    if flashmla._kernel() is None:
-        pytest.skip("FlashMLA sparse kernels unavailable on this GPU / build")
-    monkeypatch.setitem(flashmla._state, "off", False)
-    torch.manual_seed(0)
     q = torch.randn(t, 64, 512, device="cuda", dtype=torch.bfloat16)
     kv = (torch.randn(rows, 512, device="cuda") * 0.5).to(torch.bfloat16)
     idx = torch.stack([torch.randperm(rows, device="cuda")[:k] for _ in range(t)])
@@ -52,17 +60,10 @@ def test_flashmla_prefill_matches_oracle(t, k, rows, monkeypatch):
 
 @pytest.mark.parametrize("t", [1, 64, 4096])
 def test_deepgemm_hc_coefficients_match_oracle(t, monkeypatch):
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    pytest.importorskip("vllm")
+    deepgemm = _switched_on("deepgemm", monkeypatch)
     from vllm_deepinfer import ops
-    from vllm_deepinfer.ops import deepgemm
     from vllm_deepinfer.ops import reference as ref
 
-    if deepgemm._kernel() is None:
-        pytest.skip("DeepGEMM unavailable on this GPU / build")
-    monkeypatch.setitem(deepgemm._state, "off", False)
-    torch.manual_seed(0)
     h, d = 4, 5120
     m = (2 + h) * h
     streams = torch.randn(t, h, d, device="cuda").to(torch.bfloat16)
