@@ -7,32 +7,30 @@ Sinkhorn). vLLM's in-tree V4.1 runs it (2026-12-03 H200 profile, 4 x 1024 prefil
 3.9 ms for our split-K Triton partials).
 
 Off by default until measured end to end on the H200 (`VLLM_DEEPINFER_DEEPGEMM_HC=1`); not in batch-invariant
-mode (the split count follows the token count). bf16 streams on CUDA only; a failing first call logs once and
-falls back to the Triton kernels. vLLM is imported lazily: the module imports on every platform.
+mode (the split count follows the token count). bf16 streams on CUDA only; a failing call falls back to the
+Triton kernels (`ops.library.LibraryKernel`).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-ENV = "VLLM_DEEPINFER_DEEPGEMM_HC"
+from vllm_deepinfer.ops.library import LibraryKernel
+
 BLOCK_K = 64  # K block of the DeepGEMM kernel (split-count heuristic below, as vLLM sizes it)
 
-_state: dict[str, object] = {"fn": None, "off": os.environ.get(ENV, "0") != "1"}
+
+def _load():
+    from vllm.utils.deep_gemm import is_deep_gemm_supported, tf32_hc_prenorm_gemm
+
+    return tf32_hc_prenorm_gemm if is_deep_gemm_supported() else None
 
 
-def _kernel():
-    if _state["fn"] is None:
-        from vllm.utils.deep_gemm import is_deep_gemm_supported, tf32_hc_prenorm_gemm
-
-        _state["fn"] = tf32_hc_prenorm_gemm if is_deep_gemm_supported() else False
-    return _state["fn"] or None
+KERNEL = LibraryKernel("DeepGEMM tf32 prenorm GEMM", "VLLM_DEEPINFER_DEEPGEMM_HC", _load)
 
 
 def takes(streams: torch.Tensor) -> bool:
-    return not _state["off"] and streams.is_cuda and streams.dtype == torch.bfloat16 and streams.shape[0] > 0
+    return not KERNEL.off and streams.is_cuda and streams.dtype == torch.bfloat16 and streams.shape[0] > 0
 
 
 def num_splits(t: int, k: int, device: torch.device) -> int:
@@ -43,24 +41,16 @@ def num_splits(t: int, k: int, device: torch.device) -> int:
 
 def hc_coefficients(streams, fn, base, scale, rms_eps, hc_eps, sinkhorn_iters):
     """`ops.hc_coefficients` (same signature) with DeepGEMM's partials, or None (not served)."""
-    gemm = _kernel()
-    if gemm is None:
+    if KERNEL.get() is None:
         return None
-    from kernels_nvidia.mhc import hc_coefficients_from_partials
-
     t, h, d = streams.shape
     k, m = h * d, fn.shape[0]
-    x = streams.reshape(t, k).contiguous()
     s = num_splits(t, k, streams.device)
     part = torch.empty(s, t, m, dtype=torch.float32, device=streams.device)
     sq = torch.empty(s, t, dtype=torch.float32, device=streams.device)
-    try:
-        gemm(x, fn.float().contiguous(), part, sq, s)
-    except Exception as e:  # noqa: BLE001 - any failure: warn once, stay on the Triton kernels
-        from vllm_deepinfer.log import get_logger
-
-        get_logger(__name__).warning("vllm-deepinfer: DeepGEMM's tf32 prenorm GEMM failed (%s: %s); mHC stays on "
-                                     "the Triton kernels", type(e).__name__, e)
-        _state["off"] = True
+    KERNEL.run(streams.reshape(t, k).contiguous(), fn.float().contiguous(), part, sq, s)  # fills part, sq
+    if KERNEL.off:  # the call failed
         return None
+    from kernels_nvidia.mhc import hc_coefficients_from_partials
+
     return hc_coefficients_from_partials(part, sq, base, scale, k, rms_eps, hc_eps, sinkhorn_iters, h)

@@ -7,59 +7,44 @@ exp(lse) / (exp(lse) + exp(sink))). vLLM's in-tree V4.1 prefill runs it (2026-12
 1.9 ms for 8 layers against 7.1 ms for our Triton kernel).
 
 Off by default until measured end to end on the H200 (`VLLM_DEEPINFER_FLASHMLA=1` turns it on); batch-invariant
-mode keeps the Triton kernel. Shapes it does not take (other head counts or widths, other dtypes) and any
-failure of the first call fall back to the Triton kernel (a failure is logged once and disables this path).
-vLLM is imported lazily: the module imports on every platform.
+mode keeps the Triton kernel. Shapes it does not take (other head counts or widths, other dtypes) and a failing
+call fall back to the Triton kernel (`ops.library.LibraryKernel`).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
-ENV = "VLLM_DEEPINFER_FLASHMLA"
+from vllm_deepinfer.ops.library import LibraryKernel
+
 HEADS = (64, 128)  # query heads the sparse prefill kernel takes
 WIDTH = 512        # d_qk = d_v of DeepSeek V4 / V4.1
 TOPK_MULTIPLE = 128
 
-_state: dict[str, object] = {"fn": None, "off": os.environ.get(ENV, "0") != "1"}
+
+def _load():
+    from vllm.v1.attention.ops.flashmla import flash_mla_sparse_fwd, is_flashmla_sparse_supported
+
+    return flash_mla_sparse_fwd if is_flashmla_sparse_supported()[0] else None
 
 
-def _kernel():
-    """vLLM's `flash_mla_sparse_fwd`, or None where FlashMLA's sparse kernels are unavailable."""
-    if _state["fn"] is None:
-        from vllm.v1.attention.ops.flashmla import flash_mla_sparse_fwd, is_flashmla_sparse_supported
-
-        ok, _ = is_flashmla_sparse_supported()
-        _state["fn"] = flash_mla_sparse_fwd if ok else False
-    return _state["fn"] or None
+KERNEL = LibraryKernel("FlashMLA sparse prefill", "VLLM_DEEPINFER_FLASHMLA", _load)
 
 
 def takes(q: torch.Tensor, kv: torch.Tensor) -> bool:
     """Whether this path serves a call with these shapes (and is switched on)."""
-    return (not _state["off"] and q.is_cuda and q.dtype == torch.bfloat16 and kv.dtype == torch.bfloat16
+    return (not KERNEL.off and q.is_cuda and q.dtype == torch.bfloat16 and kv.dtype == torch.bfloat16
             and q.shape[1] in HEADS and q.shape[2] == WIDTH and kv.shape[-1] == WIDTH and q.shape[0] > 0)
 
 
 def sparse_attention_indexed(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
                              scale: float) -> torch.Tensor | None:
     """q: [T, H, 512]; kv: [R, 512]; idx: [T, K] (-1 = none); sink: [H] -> [T, H, 512], or None (not served)."""
-    fn = _kernel()
-    if fn is None:
-        return None
     pad = -idx.shape[1] % TOPK_MULTIPLE
     ids = F.pad(idx, (0, pad), value=-1) if pad else idx
-    try:
-        res = fn(q=q.contiguous(), kv=kv.contiguous().view(-1, 1, WIDTH), indices=ids.to(torch.int32).unsqueeze(1),
-                 sm_scale=scale, attn_sink=sink.float().contiguous())
-    except Exception as e:  # noqa: BLE001 - any failure: warn once, stay on the Triton kernel
-        from vllm_deepinfer.log import get_logger
-
-        get_logger(__name__).warning("vllm-deepinfer: FlashMLA sparse prefill failed (%s: %s); prefill attention "
-                                     "stays on the Triton kernel", type(e).__name__, e)
-        _state["off"] = True
+    res = KERNEL.run(q=q.contiguous(), kv=kv.contiguous().view(-1, 1, WIDTH), indices=ids.to(torch.int32).unsqueeze(1),
+                     sm_scale=scale, attn_sink=sink.float().contiguous())
+    if res is None:
         return None
-    out = res[0] if isinstance(res, tuple) else res
-    return out.to(q.dtype)
+    return (res[0] if isinstance(res, tuple) else res).to(q.dtype)
