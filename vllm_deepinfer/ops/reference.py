@@ -475,15 +475,6 @@ def range_slots(block_table: torch.Tensor, req: torch.Tensor, start: torch.Tenso
                      masked=True)
 
 
-def paged_slots(block_table: torch.Tensor, n_rows: int, rows_per_block: int) -> torch.Tensor:
-    """Slots of rows 0..n_rows-1 of each token's request in a paged row buffer: row i lives at
-    block_table[t, i // rows_per_block] * rows_per_block + i % rows_per_block. block_table: [T, NB] -> [T, N]
-    (columns past the table are clamped to its last one; such rows are masked by the callers)."""
-    rows = torch.arange(n_rows, device=block_table.device)
-    col = (rows // rows_per_block).clamp(max=block_table.shape[1] - 1)
-    return block_table[:, col].long() * rows_per_block + rows % rows_per_block
-
-
 def gather_pair(kv_a: torch.Tensor, idx_a: torch.Tensor, kv_b: torch.Tensor,
                 idx_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows kv_a[idx_a[t]] then kv_b[idx_b[t]] per query (-1 = none) -> keys [T, K_a + K_b, d], valid [T, K_a + K_b]."""
@@ -505,9 +496,12 @@ def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, keys: torch.Ten
                          n_valid: torch.Tensor, n_rows: int, rows_per_block: int,
                          score=indexer_scores_gathered) -> torch.Tensor:
     """`indexer_scores_gathered` of each token against rows 0..n_rows-1 of its own request in a paged key
-    buffer (`paged_slots`), -inf from row n_valid[t] on.
+    buffer (`range_slots` of rows 0 .. n_rows - 1 over each token's own block-table row), -inf from row n_valid[t] on.
 
     q: [T, H_I, d_I]; weights: [T, H_I]; keys: [R, d_I]; block_table: [T, NB]; n_valid: [T] -> [T, n_rows] fp32.
     `score`: the gathered scoring to run (the ops layer passes its dispatched one)."""
-    scores = score(q, weights, keys[paged_slots(block_table, n_rows, rows_per_block)])
+    t = block_table.shape[0]
+    rows = torch.arange(t, device=q.device)
+    slots = range_slots(block_table, rows, torch.zeros_like(rows), n_rows, None, 1, rows_per_block, rows_per_block)
+    scores = score(q, weights, keys[slots])
     return scores.masked_fill(torch.arange(n_rows, device=q.device) >= n_valid.unsqueeze(1), float("-inf"))
