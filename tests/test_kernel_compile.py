@@ -3,7 +3,7 @@
 The interpreter tests (`TRITON_INTERPRET=1 pytest tests/gpu`) check the kernels' numbers but not that the compiler
 accepts them (the interpreter is laxer about types); Triton's NVIDIA backend, bundled with the wheel, compiles to a
 cubin here. Covered: the kernels added without a GPU run behind them (paged slots, the mHC finalize with a
-non-power-of-two partial width), every constexpr variant the wrappers launch.
+non-power-of-two partial width, the radix-select top-k), every constexpr variant the wrappers launch.
 """
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ except ImportError:  # pragma: no cover - an older Triton without this API
 SM90 = GPUTarget("cuda", 90, 32)
 
 
-def _compile(fn, signature: dict, constexprs: dict) -> None:
+def _compile(fn, signature: dict, constexprs: dict, num_warps: int = 4) -> None:
     sig = dict(signature, **dict.fromkeys(constexprs, "constexpr"))
     try:
-        out = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=SM90)
+        out = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=SM90,
+                             options={"num_warps": num_warps})
     except RuntimeError as e:  # no NVIDIA backend / ptxas in this Triton build
         if "backend" in str(e).lower() or "ptxas" in str(e).lower():
             pytest.skip(f"no NVIDIA backend: {e}")
@@ -56,3 +57,19 @@ def test_hc_finalize_compiles(mp):
     sig = {"PART": "*fp32", "SQ": "*fp32", "BASE": "*fp32", "SCALE": "*fp32", "PRE": "*fp32", "POST": "*fp32",
            "COMB": "*fp32", "T": "i32", "K": "i32", "rms_eps": "fp32", "hc_eps": "fp32", "iters": "i32"}
     _compile(mhc._hc_finalize_kernel, sig, dict(NSPLIT=5, HC=4, MP=mp, BT=16))
+
+
+@pytest.mark.parametrize("nv", ["*i64", "*i32"])
+def test_topk_rows_kernels_compile(nv):
+    """The radix-select top-k: the four digit passes, the select and the sort at the k of the indexer
+    (candidate blocks, index_topk 512 / 1024 / 2048), n_valid of either int type."""
+    from kernels_nvidia import topk
+
+    sig = {"S": "*fp32", "NV": nv, "W": "*i32", "CNT3": "*i32", "n_cols": "i32", "s_row": "i32", "n_split": "i32",
+           "k": "i32"}
+    for p in range(4):
+        _compile(topk._topk_hist_kernel, sig, dict(PASS=p, BLOCK=topk.BLOCK), num_warps=topk.WARPS)
+    _compile(topk._topk_select_kernel, dict(sig, OUT="*i64"), dict(BLOCK=topk.BLOCK), num_warps=topk.WARPS)
+    for kp in (16, 512, 1024, 2048):
+        _compile(topk._topk_sort_kernel, {"NV": nv, "OUT": "*i64", "n_cols": "i32", "k": "i32"}, dict(KP=kp),
+                 num_warps=topk.SORT_WARPS)

@@ -302,6 +302,102 @@ def test_topk_rows_matches_stable_sort(device):
         assert torch.equal(got.cpu(), want), f"k={k}"
 
 
+def _split_rows(monkeypatch, device, split: bool) -> None:
+    """split: cut every row into many small ranges (several programs per row, several steps per program)."""
+    from kernels_nvidia import topk
+    if split:
+        monkeypatch.setattr(topk, "BLOCK", 32 if _small(device) else 256)
+        monkeypatch.setattr(topk, "WAVES", 1 << 12)
+
+
+def _check_topk(s: torch.Tensor, k: int, n_valid: torch.Tensor | None = None) -> None:
+    """kernels_nvidia.topk_rows bitwise equal to the oracle (which reads the whole row; past n_valid the
+    kernel must read nothing, so those entries are set to -inf for the oracle only)."""
+    from kernels_nvidia import ops as kn
+    want_in = s.cpu().clone()
+    if n_valid is not None:
+        want_in[torch.arange(s.shape[1]) >= n_valid.cpu().unsqueeze(1)] = float("-inf")
+    _poison(s.device.type)
+    got = kn.topk_rows(s, k, n_valid)
+    assert got.shape == (s.shape[0], k) and got.dtype == torch.int64
+    assert torch.equal(got.cpu(), ref.topk_rows(want_in, k)), f"N={s.shape[1]} k={k}"
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_topk_rows_radix_ties_and_specials(device, split, monkeypatch):
+    """Ties (quantised scores, signed zeros), +inf forced entries, NaN, rows of fewer than k finite entries,
+    k > N, with and without n_valid."""
+    _split_rows(monkeypatch, device, split)
+    _seed()
+    t, n = (6, 120) if _small(device) else (64, 20000)
+    s = torch.round(torch.randn(t, n, device=device) * 4) / 4          # many ties
+    s[s.abs() < 0.1] = -0.0
+    s[(s == 0) & (torch.rand(t, n, device=device) < 0.5)] = 0.0          # signed zeros: -0.0 ties with +0.0
+    s[torch.rand(t, n, device=device) < 0.3] = float("-inf")
+    s[0, 3] = s[0, n - 1] = s[2, 5] = float("inf")
+    s[3, 7], s[3, 1] = float("nan"), -torch.tensor(float("nan"))       # NaN of both signs: first, -> -1
+    s[1, 10:] = float("-inf")                                          # fewer than k finite entries
+    n_valid = torch.randint(0, n + 1, (t,), device=device)
+    n_valid[0], n_valid[1] = n, 0
+    s[torch.arange(n, device=device) >= n_valid.unsqueeze(1)] = float("-inf")
+    for k in (1, 7, 64, n // 2, n, n + 5):
+        _check_topk(s, k, n_valid)
+        _check_topk(s, k)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_topk_rows_radix_equal_rows(device, split, monkeypatch):
+    """Rows of one value (every key a tie): finite, +inf, -inf, zeros of both signs, NaN; a row differing
+    from a constant one in its last bit."""
+    _split_rows(monkeypatch, device, split)
+    n = 60 if _small(device) else 5000
+    s = torch.ones(6, n, device=device)
+    s[1], s[2], s[4] = float("inf"), float("-inf"), float("nan")
+    s[3] = torch.where(torch.arange(n, device=device) % 2 == 0, 0.0, -0.0)
+    s[5, n // 3] = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0)).item()
+    n_valid = torch.tensor([n, n, n, n // 2, 3, n], device=device)
+    for k in (1, 16, n // 2, n - 1, n, 2 * n):
+        _check_topk(s, k)
+        _check_topk(s, k, n_valid)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_topk_rows_radix_random_widths(device, split, monkeypatch):
+    """Random widths, lengths and k; continuous scores (the decode case) and int64 / int32 n_valid."""
+    _split_rows(monkeypatch, device, split)
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(4 if _small(device) else 12):
+        n = int(torch.randint(1, 400 if _small(device) else 40000, (), generator=gen))
+        t = int(torch.randint(1, 5 if _small(device) else 300, (), generator=gen))
+        k = int(torch.randint(1, min(n, 2048) + 8, (), generator=gen))
+        n_valid = torch.randint(0, n + 1, (t,), generator=gen).to(device)
+        s = torch.randn(t, n, device=device).relu_()                   # relu'd scores: many zeros
+        s[torch.arange(n, device=device) >= n_valid.unsqueeze(1)] = float("-inf")
+        _check_topk(s, k, n_valid.int() if n % 2 else n_valid)
+
+
+def test_topk_rows_radix_long_rows_short_prefix(device):
+    """The decode shape: a wide fixed row (max_model_len / ratio + 1 columns), short valid prefixes; the
+    entries past n_valid hold NaN / +inf / finite junk that the kernel must never read. Also a strided view."""
+    _seed()
+    t, n, ks = (3, 20001, (16, 100)) if _small(device) else (64, 262145, (512, 1024, 2048))
+    top = 300 if _small(device) else 4096
+    s = torch.randn(t, n, device=device)
+    s[:, 1::3] = float("nan")
+    s[:, 2::5] = float("inf")
+    n_valid = torch.randint(0, top, (t,), device=device)
+    n_valid[0] = 0
+    clean = s.masked_fill(torch.arange(n, device=device) >= n_valid.unsqueeze(1), float("-inf"))
+    clean[clean.isnan()] = 1.5
+    clean[torch.isinf(clean) & (clean > 0)] = -2.0
+    padded = torch.full((t, n + 7), float("inf"), device=device)
+    padded[:, :n] = torch.where(torch.arange(n, device=device) < n_valid.unsqueeze(1), clean, s)
+    for k in ks:
+        _check_topk(padded[:, :n], k, n_valid)
+        _check_topk(clean, k, n_valid)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_hc_coefficients(device, dtype):
     from kernels_nvidia import ops as kn
@@ -432,6 +528,9 @@ def test_dispatch_uses_kernels(device):
     assert _rel(ops.hc_collapse(x, w), ref.hc_collapse(x.cpu(), w.cpu())) < 1e-6
     s = torch.randn(4, 100, device=device)
     assert torch.equal(ops.topk_rows(s, 10).cpu(), ref.topk_rows(s.cpu(), 10))
+    n_valid = torch.tensor([0, 5, 50, 100], device=device)
+    s = s.masked_fill(torch.arange(100, device=device) >= n_valid.unsqueeze(1), float("-inf"))
+    assert torch.equal(ops.topk_rows(s, 10, n_valid).cpu(), ref.topk_rows(s.cpu(), 10))
 
 
 @pytest.mark.parametrize("tokens_per_row,block_size", [(1, 64), (4, 256), (128, 2048)])
