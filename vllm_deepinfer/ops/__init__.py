@@ -142,8 +142,8 @@ def indexer_scores_ragged(q, weights, keys, key_start, n_keys, n_cols):
     return _dispatch("indexer_scores_ragged", q, q, weights, keys, key_start, n_keys, n_cols)
 
 
-def topk_rows(scores, k):
-    return _dispatch("topk_rows", scores, scores, k)
+def topk_rows(scores, k, n_valid=None):
+    return _dispatch("topk_rows", scores, scores, k, n_valid)
 
 
 def linear_fp32_out(x, w):

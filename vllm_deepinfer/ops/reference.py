@@ -226,11 +226,13 @@ def indexer_scores_gathered(q: torch.Tensor, weights: torch.Tensor, keys: torch.
     return torch.einsum("thn,th->tn", dots, weights.float())
 
 
-def topk_rows(scores: torch.Tensor, k: int) -> torch.Tensor:
+def topk_rows(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = None) -> torch.Tensor:
     """Indices of the k largest finite scores per row, -1 where fewer exist. scores: [T, N] -> [T, k].
 
     -inf marks an invalid entry; +inf (a forced entry) is kept. Ties resolve to the lower index
-    (stable sort), so the selection is deterministic.
+    (stable sort), so the selection is deterministic. n_valid: optional [T] valid length per row; the
+    caller promises scores[t, n_valid[t]:] == -inf, so it changes nothing here (kernels read only the
+    valid prefix).
     """
     order = torch.sort(scores, dim=-1, descending=True, stable=True)
     n = min(k, scores.shape[-1])
