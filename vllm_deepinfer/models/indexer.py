@@ -125,7 +125,7 @@ class Indexer(nn.Module):
                 cand.append(self._candidate_blocks(scores, c.n_visible[t]))
             if cands is not None:
                 scores = self._restrict_to_blocks(scores, cands[t])
-            sel.append(ops.topk_rows(scores, self.topk))
+            sel.append(ops.topk_rows(scores, self.topk, c.n_visible[t]))
         sel = sel[0] if len(sel) == 1 else torch.cat(sel)
         ids = torch.where(full.unsqueeze(1), ids, sel)
         if blocks is not None:
@@ -152,17 +152,18 @@ class Indexer(nn.Module):
         blocks = self._candidate_blocks(scores, n_valid) if self.plan.candidate_source else None
         if cands is not None:
             scores = self._restrict_to_blocks(scores, cands)
-        return ops.topk_rows(scores, self.topk), blocks
+        return ops.topk_rows(scores, self.topk, n_valid), blocks
 
     def _candidate_blocks(self, scores: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
-        """Block score = max over its rows; the newest valid block is forced. -> [n, n_blocks]."""
+        """Block score = max over its rows; the newest valid block is forced. scores: [n, n_rows] (-inf from
+        n_valid[t] on) -> [n, n_blocks]. Blocks past the newest are -inf: the top-k reads newest + 1 blocks."""
         n, n_rows = scores.shape
         nb = -(-n_rows // self.block_rows)
         padded = torch.nn.functional.pad(scores, (0, nb * self.block_rows - n_rows), value=float("-inf"))
         block_scores = padded.view(n, nb, self.block_rows).amax(-1)
         newest = ((n_valid - 1) // self.block_rows).clamp(min=0)
         block_scores.scatter_(1, newest.unsqueeze(1), float("inf"))
-        return ops.topk_rows(block_scores, self.n_blocks)
+        return ops.topk_rows(block_scores, self.n_blocks, newest + 1)
 
     def _restrict_to_blocks(self, scores: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         """Keep only rows inside the published candidate blocks [n, n_blocks] (-1 = none)."""
