@@ -1,6 +1,6 @@
 """Microbenchmarks of kernels_nvidia against the H200 ceilings measured in the same run.
 
-    python3 benchmarks/bench_kernels.py [--json OUT.json] [--quick] [--only-fp8-linears | --moe-only]
+    python3 benchmarks/bench_kernels.py [--json OUT.json] [--quick] [--only-fp8-linears | --moe-only | --topk-only]
 
 Ceilings first: a large device-to-device copy (bytes read + written) and an 8192^3 bf16 GEMM on random
 data. Then each kernel at V4.1-Flash full-width shapes (H=64, d=512, index heads 64 x 128, hc=4,
@@ -157,6 +157,25 @@ def bench_moe(copy_gbs, gemm_tf, quick):
                 moe.BM, moe.BN, moe.BK, moe.WARPS = keep
 
 
+def bench_topk(copy_gbs, gemm_tf):
+    """Decode top-k (kernels_nvidia.topk_rows, length-bounded radix select) on fixed-width rows (max_model_len /
+    ratio + 1 columns: 1M / 4 + 1, 64k / 4 + 1, 4k / 4 + 1) with short (1k-4k) or full valid prefixes, vs the
+    oracle's stable sort and the packed-key torch.topk on the same scores. GB/s counts the valid scores + the ids."""
+    for n in (262145, 16385, 1025):
+        for t in (1, 64, 256):
+            short = torch.randint(1024, 4097, (t,), device=DEV).clamp(max=n)
+            for fill, n_valid in (("short", short), ("full", torch.full((t,), n, device=DEV))):
+                s = torch.randn(t, n, device=DEV).masked_fill(
+                    torch.arange(n, device=DEV) >= n_valid.unsqueeze(1), float("-inf"))
+                for k in (512, 1024):
+                    nbytes = int(n_valid.sum()) * 4 + t * k * 8
+                    ms_k = bench(lambda: kn.topk_rows(s, k, n_valid))
+                    ms_r = bench(lambda: ref.topk_rows(s, k))
+                    ms_p = bench(lambda: kidx.topk_rows_packed(s, k))
+                    record(f"topk_rows T={t} N={n} n_valid={fill} k={k}", ms_k, ms_r, nbytes, 0, copy_gbs, gemm_tf)
+                    record("  topk_rows_packed (torch.topk)", ms_p, ms_r, nbytes, 0, copy_gbs, gemm_tf)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
@@ -164,6 +183,7 @@ def main():
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--only-fp8-linears", action="store_true", help="run the FP8 block GEMM section only")
     ap.add_argument("--moe-only", action="store_true", help="ceilings and the routed-experts rows only")
+    ap.add_argument("--topk-only", action="store_true", help="ceilings and the decode top-k rows only")
     args = ap.parse_args()
     global GRAPH
     GRAPH = not args.eager
@@ -172,6 +192,9 @@ def main():
     copy_gbs, gemm_tf = ceilings()
     print("timing:", "CUDA-graph replays (GPU time)" if GRAPH else "eager launches", flush=True)
     print(f"CEILINGS copy {copy_gbs:.0f} GB/s (read+write), bf16 GEMM 8192^3 {gemm_tf:.0f} TFLOP/s", flush=True)
+    if args.topk_only:
+        bench_topk(copy_gbs, gemm_tf)
+        return dump(args.json, copy_gbs, gemm_tf)
     if not args.moe_only:
         bench_fp8_linears(copy_gbs, gemm_tf, args.quick)
     if args.only_fp8_linears:
@@ -252,6 +275,7 @@ def main():
         ms_k = bench(lambda: kn.topk_rows_packed(s, 512))
         ms_r = bench(lambda: ref.topk_rows(s, 512))
         record(f"topk_rows_packed T={t} N={n} k=512", ms_k, ms_r, t * n * 4 + t * 512 * 8, 0, copy_gbs, gemm_tf)
+    bench_topk(copy_gbs, gemm_tf)
 
     # --- paged cache slots (decode addressing: window rows, selected rows), kernel vs the oracle's torch ops
     bt = torch.randint(1, 60000, (256, 64), device=DEV, dtype=torch.int32)
