@@ -35,6 +35,7 @@ BLOCK = 1024         # scores per program step
 WARPS = 4            # warps of the pass and select programs
 SORT_WARPS = 8       # warps of the per-row sort
 WAVES = 4            # programs aimed at per SM when a row is cut into ranges
+MAX_K = 4096         # the per-row sort holds next_pow2(k) int64 keys in registers; larger k: the oracle
 BINS = tl.constexpr(256)                 # radix digit of 8 bits: four passes cover a 32-bit key
 STATE = tl.constexpr(4 * BINS.value + 1)  # int32 state per row: the four pass histograms, the select slot counter
 
@@ -165,8 +166,8 @@ def topk_rows(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = None)
     """scores: [T, N] (fp32; other float types are widened exactly); n_valid: [T] int or None (= N) ->
     [T, k] int64 indices (oracle semantics, see the module docstring). Reads row t over [0, n_valid[t]) only."""
     t, n_cols = scores.shape
-    if n_cols >= 1 << 31:
-        raise NotImplementedError(f"topk_rows: {n_cols} columns exceed int32 indices")
+    if n_cols >= 1 << 31 or k > MAX_K:
+        raise NotImplementedError(f"topk_rows: {n_cols} columns / k = {k} past the kernel's int32 / MAX_K bounds")
     out = torch.empty(t, k, dtype=torch.int64, device=scores.device)
     if t == 0 or k == 0:
         return out

@@ -62,7 +62,7 @@ def test_hc_finalize_compiles(mp):
 @pytest.mark.parametrize("nv", ["*i64", "*i32"])
 def test_topk_rows_kernels_compile(nv):
     """The radix-select top-k: the four digit passes, the select and the sort at the k of the indexer
-    (candidate blocks, index_topk 512 / 1024 / 2048), n_valid of either int type."""
+    (candidate blocks, index_topk 512 / 1024 / 2048, MAX_K), n_valid of either int type."""
     from kernels_nvidia import topk
 
     sig = {"S": "*fp32", "NV": nv, "W": "*i32", "CNT3": "*i32", "n_cols": "i32", "s_row": "i32", "n_split": "i32",
@@ -70,6 +70,6 @@ def test_topk_rows_kernels_compile(nv):
     for p in range(4):
         _compile(topk._topk_hist_kernel, sig, dict(PASS=p, BLOCK=topk.BLOCK), num_warps=topk.WARPS)
     _compile(topk._topk_select_kernel, dict(sig, OUT="*i64"), dict(BLOCK=topk.BLOCK), num_warps=topk.WARPS)
-    for kp in (16, 512, 1024, 2048):
+    for kp in (16, 512, 1024, 2048, topk.MAX_K):
         _compile(topk._topk_sort_kernel, {"NV": nv, "OUT": "*i64", "n_cols": "i32", "k": "i32"}, dict(KP=kp),
                  num_warps=topk.SORT_WARPS)
