@@ -26,6 +26,7 @@ from kernels_nvidia import attention as kattn  # noqa: E402
 from kernels_nvidia import gemm as kgemm  # noqa: E402
 from kernels_nvidia import indexer as kidx  # noqa: E402
 from kernels_nvidia import ops as kn  # noqa: E402
+from kernels_nvidia import topk as ktopk  # noqa: E402
 from vllm_deepinfer.checkpoint.formats import dequant_fp8_block, dequant_mxfp4, e8m0_decode  # noqa: E402
 from vllm_deepinfer.ops import reference as ref  # noqa: E402
 
@@ -174,6 +175,14 @@ def bench_topk(copy_gbs, gemm_tf):
                     ms_p = bench(lambda: kidx.topk_rows_packed(s, k))
                     record(f"topk_rows T={t} N={n} n_valid={fill} k={k}", ms_k, ms_r, nbytes, 0, copy_gbs, gemm_tf)
                     record("  topk_rows_packed (torch.topk)", ms_p, ms_r, nbytes, 0, copy_gbs, gemm_tf)
+                if t == 64 and n == 262145:  # sweep of the kernel's knobs at k=512, for the record
+                    keep = ktopk.BLOCK, ktopk.WAVES, ktopk.SORT_WARPS
+                    for knobs in ((512, 4, 8), (2048, 4, 8), (4096, 4, 8), (1024, 2, 8), (1024, 8, 8), (1024, 4, 4)):
+                        ktopk.BLOCK, ktopk.WAVES, ktopk.SORT_WARPS = knobs
+                        ms_k = bench(lambda: ktopk.topk_rows(s, 512, n_valid))
+                        record(f"  BLOCK,WAVES,SORT_WARPS={knobs}", ms_k, None, int(n_valid.sum()) * 4 + t * 512 * 8, 0,
+                               copy_gbs, gemm_tf)
+                    ktopk.BLOCK, ktopk.WAVES, ktopk.SORT_WARPS = keep
 
 
 def main():
