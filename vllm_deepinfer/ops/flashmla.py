@@ -47,4 +47,4 @@ def sparse_attention_indexed(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tenso
                      sm_scale=scale, attn_sink=sink.float().contiguous())
     if res is None:
         return None
-    return (res[0] if isinstance(res, tuple) else res).to(q.dtype)
+    return (res[0] if isinstance(res, (list, tuple)) else res).to(q.dtype)  # (out, max_logits, lse)
