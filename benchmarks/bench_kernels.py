@@ -280,11 +280,7 @@ def main():
         ms_k = bench(lambda: kn.indexer_scores(qi, w, k))
         kidx.HEADS_AS_ROWS = True
         record(f"  indexer_scores token-tile kernel T={t}", ms_k, None, nbytes, 2 * t * 64 * n * 128, copy_gbs, gemm_tf)
-        s = kn.indexer_scores(qi, w, k)
-        ms_k = bench(lambda: kn.topk_rows_packed(s, 512))
-        ms_r = bench(lambda: ref.topk_rows(s, 512))
-        record(f"topk_rows_packed T={t} N={n} k=512", ms_k, ms_r, t * n * 4 + t * 512 * 8, 0, copy_gbs, gemm_tf)
-    bench_topk(copy_gbs, gemm_tf)
+    bench_topk(copy_gbs, gemm_tf)  # the packed torch.topk rows too, beside the radix select
 
     # --- paged cache slots (decode addressing: window rows, selected rows), kernel vs the oracle's torch ops
     bt = torch.randint(1, 60000, (256, 64), device=DEV, dtype=torch.int32)
