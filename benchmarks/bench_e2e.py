@@ -325,13 +325,22 @@ def profile(a, timed, prefill_ns, decode_bs) -> dict:
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     attr = "self_device_time_total" if cuda else "self_cpu_time_total"
 
-    def run(k: int, length: int, mt: int) -> dict[str, tuple[float, int]]:
+    shapes: dict[str, tuple[float, int]] = {}
+
+    def run(k: int, length: int, mt: int, by_shape: bool = False) -> dict[str, tuple[float, int]]:
+        """Kernel rows of one call; `by_shape`: also the torch ops' own kernel time by op and input
+        shapes into `shapes` (on CUDA: which torch op launched the glue kernels)."""
         timed(k, length, mt)  # warm
-        with tprofile(activities=acts) as prof:
+        with tprofile(activities=acts, record_shapes=by_shape) as prof:
             timed(k, length, mt)
         if a.trace_dir:
             Path(a.trace_dir).mkdir(parents=True, exist_ok=True)
             prof.export_chrome_trace(str(Path(a.trace_dir) / f"{a.impl}_{k}x{length}_{mt}tok.json"))
+        if by_shape and cuda:
+            shapes.update({f"{e.key} {e.input_shapes}": (e.self_device_time_total, e.count)
+                           for e in prof.key_averages(group_by_input_shape=True)
+                           if e.device_type == torch.autograd.DeviceType.CPU and e.key.startswith("aten::")
+                           and e.self_device_time_total > 0})
         # On CUDA only kernel rows: an aten op's self device time is its kernels' time again.
         return {e.key: (getattr(e, attr, 0), e.count) for e in prof.key_averages()
                 if not cuda or e.device_type == torch.autograd.DeviceType.CUDA}
@@ -342,14 +351,16 @@ def profile(a, timed, prefill_ns, decode_bs) -> dict:
         print(f"\n[{a.impl}] profile {name}: top {a.profile_top} ops by {attr} (total {total / 1e3:.3f} ms{unit})",
               flush=True)
         for op, (us, calls) in rows:
-            print(f"  {us / 1e3:9.3f} ms {100 * us / total:5.1f}%  x{calls:<8g} {op[:90]}", flush=True)
+            print(f"  {us / 1e3:9.3f} ms {100 * us / total:5.1f}%  x{calls:<8g} {op[:160]}", flush=True)
         return {"total_us": total, "sort": attr, "unit": unit, "top": [
             {"op": op, "self_us": us, "pct": 100.0 * us / total, "calls": calls} for op, (us, calls) in rows]}
 
     n = prefill_ns[len(prefill_ns) // 2]
     p = min(n, a.prompt_len)
     k = max(1, n // p)
-    out = {f"prefill_{k}x{p}": table(f"prefill {k}x{p}", run(k, p, 1), "")}
+    out = {f"prefill_{k}x{p}": table(f"prefill {k}x{p}", run(k, p, 1, by_shape=True), "")}
+    if shapes:
+        out[f"prefill_{k}x{p}_torch_ops"] = table(f"prefill {k}x{p}, torch ops by input shapes", shapes, "")
     b = a.profile_batch if a.profile_batch in decode_bs else max(decode_bs)
     D = a.decode_tokens
     one, many = run(b, a.decode_prompt_len, 1), run(b, a.decode_prompt_len, D)

@@ -18,7 +18,7 @@ from kernels_nvidia.indexer import (  # noqa: F401
 from kernels_nvidia.mhc import hc_coefficients, hc_collapse, hc_expand  # noqa: F401
 from kernels_nvidia.moe import routed_experts_packed  # noqa: F401
 from kernels_nvidia.paging import range_slots, row_slots  # noqa: F401
-from kernels_nvidia.rowwise import apply_rope, rms_norm  # noqa: F401
+from kernels_nvidia.rowwise import apply_rope, rms_norm, swiglu  # noqa: F401
 from kernels_nvidia.topk import topk_rows  # noqa: F401
 
 # topk_rows: the Triton radix select of `kernels_nvidia.topk` (bitwise the oracle's stable sort; reads a row

@@ -1,10 +1,13 @@
-"""Row-wise ops, RMSNorm and interleaved RoPE, as single Triton kernels (the oracle's formulas, fp32 math).
+"""Row-wise ops, RMSNorm, interleaved RoPE and the clamped SwiGLU activation, as single Triton kernels
+(the oracle's formulas, fp32 math).
 
 * `rms_norm(x, weight, eps)`: y = x / sqrt(mean(x^2) + eps) * weight per row, one program per row (the
   oracle runs five kernels: cast, square, mean, rsqrt, products).
 * `apply_rope(x, cos, sin, inverse)`: the GPT-J rotation of the last 2 * cos.shape[-1] dims, the rest of
   each row copied, one program per (token, middle index) (the oracle: slices, casts, four products, a
   stack and a cat).
+* `swiglu(a, b, limit)`: silu(min(a, l)) * clamp(b, -l, l) of the two GEMM products, one pass over
+  (possibly strided) rows (the oracle: two casts, two clamps, silu, product, cast).
 
 Each row is computed by one program in a fixed order, independent of the batch (batch-invariant).
 """
@@ -76,3 +79,26 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
             rows, cos, sin, y, rows.shape[1], n - 2 * half, rows.stride(0), rows.stride(1), cos.stride(0),
             y.stride(0), y.stride(1), SIGN=-1.0 if inverse else 1.0, BLOCK_N=256, HALF=half, num_warps=2)
     return y.view(x.shape)
+
+
+@triton.jit
+def _swiglu_kernel(A, B, Y, N, sa, sb, sy, limit, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    a = tl.minimum(tl.load(A + r * sa + offs, mask=mask, other=0.0).to(tl.float32), limit)
+    b = tl.load(B + r * sb + offs, mask=mask, other=0.0).to(tl.float32)
+    b = tl.minimum(tl.maximum(b, -limit), limit)
+    tl.store(Y + r * sy + offs, (a / (1.0 + tl.exp(-a)) * b).to(Y.dtype.element_ty), mask=mask)
+
+
+def swiglu(a: torch.Tensor, b: torch.Tensor, limit: float) -> torch.Tensor:
+    """a, b: [T, I] (rows may be strided, e.g. the halves of one [T, 2I] product) -> [T, I] in a's dtype."""
+    if a.dim() != 2 or a.shape != b.shape or a.stride(-1) != 1 or b.stride(-1) != 1:
+        raise NotImplementedError("swiglu takes two [T, I] operands with unit inner stride")
+    y = torch.empty(a.shape, dtype=a.dtype, device=a.device)
+    if a.numel():
+        block = 1024
+        _swiglu_kernel[(a.shape[0], triton.cdiv(a.shape[1], block))](
+            a, b, y, a.shape[1], a.stride(0), b.stride(0), y.stride(0), float(limit), BLOCK=block, num_warps=4)
+    return y

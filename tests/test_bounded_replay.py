@@ -1,7 +1,8 @@
 """V4.1 decoder bounded replay (`vllm_deepinfer/models/replay.py`): exact against full prefill.
 
 Tiny V4.1 with a 16-token window: 3 layers past the cut (layer 6), so the exact keep is
-3 * 15 + 1 = 46 tokens and prompts of 300-1050 tokens drop most of their tokens from layers 7-9.
+3 * 15 + 1 = 46 tokens and prompts of 300-1050 tokens drop most of their tokens from layers 7-9;
+layers 6..9 run each prompt's last 46 / 31 / 16 / 1 positions.
 Replay on (vLLM's default `swa_bounded_replay`) must give the greedy tokens of replay off and the
 same first-token logprobs (the last prompt token's distribution) to float32 round-off, alone, in a
 mixed batch, under chunked prefill, after a prefix hit that reaches into the retained tail and
@@ -18,6 +19,7 @@ from tests.fidelity import prompt_ids
 
 CONFIG = {"sliding_window": 16, "index_topk": 16, "candidate_topk_blocks": 4, "candidate_block_size": 8}
 KEEP = 3 * 15 + 1
+KEEPS = (KEEP, 31, 16, 1)  # rows leaving layers 6..9
 LENGTHS = (30, 300, 701)
 N_NEW = 8
 PREEMPT_NEW = 48
@@ -37,6 +39,11 @@ def _run(llm, prompts, n_new=N_NEW, **params):
 
 def _counts(llm) -> dict[str, int]:
     return llm.apply_model(lambda m: dict(m.model.replay_counts))[0]
+
+
+def _rows(lengths, keeps=KEEPS) -> int:
+    """Prompt rows that layers 6..9 run for prompts of `lengths` tokens."""
+    return sum(min(n, k) for n in lengths for k in keeps)
 
 
 def _assert_same(got, want):
@@ -90,8 +97,9 @@ def test_exact_alone_and_mixed_batch(model_dir, prompts, full):
         after = _counts(llm)
     _assert_same(alone, full["alone"])
     _assert_same(batched, full["alone"])
-    # the saving: only each prompt's last KEEP tokens ran layers 7-9
-    assert counts == {"prefill_tokens": sum(LENGTHS), "past_cut_tokens": sum(min(n, KEEP) for n in LENGTHS)}
+    # the saving: only each prompt's last KEEP tokens ran layers 7-9, fewer in each later layer
+    assert counts == {"prefill_tokens": sum(LENGTHS), "past_cut_tokens": sum(min(n, KEEP) for n in LENGTHS),
+                      "replay_rows": _rows(LENGTHS)}
     # prompt logprobs need every position: that request ran in full, with the same prompt logprobs
     assert after["past_cut_tokens"] - counts["past_cut_tokens"] == sum(min(n, KEEP) for n in LENGTHS) + LENGTHS[2]
     for got, want in zip(prompt_lp[1:], full["prompt_lp"][1:], strict=True):
@@ -107,6 +115,7 @@ def test_exact_chunked_prefill(model_dir, prompts, full):
         counts = _counts(llm)
     _assert_same(got, full["alone"])
     assert counts["past_cut_tokens"] == sum(min(n, KEEP) for n in LENGTHS)
+    assert counts["replay_rows"] == _rows(LENGTHS)
 
 
 def test_exact_after_prefix_hit(model_dir, shared, full):
@@ -136,6 +145,7 @@ def test_approximate_keep_is_close(model_dir, prompts, full, monkeypatch):
         got = [_run(llm, [p])[0] for p in prompts]
         counts = _counts(llm)
     assert counts["past_cut_tokens"] == sum(min(n, 16) for n in LENGTHS)
+    assert counts["replay_rows"] == _rows(LENGTHS, (16, 15, 15, 1))
     dev = [max(abs(lp[k] - ref[1][k]) for k in lp.keys() & ref[1].keys()) for (_, lp, _), ref in zip(got, full["alone"])]
     print("approximate keep 16: first-token top-5 max |d logprob| per prompt", dev)
     assert 0 < max(dev) < 0.5  # measured 0.041 / 0.040 / 0.39 for 30 / 300 / 701 tokens
@@ -149,7 +159,10 @@ def test_policy():
 
     v41 = ArchConfig.from_hf(load_template("v4.1-flash", "tiny"))
     v4 = ArchConfig.from_hf(load_template("v4-flash", "tiny"))
-    assert replay.resolve(v41, True, {}) == replay.ReplayPolicy(cut=6, keep=3 * 127 + 1, exact_keep=3 * 127 + 1)
+    exact = 3 * 127 + 1
+    assert replay.resolve(v41, True, {}) == replay.ReplayPolicy(6, exact, exact, (exact, 255, 128, 1))
+    assert replay.resolve(v41, True, {}).layer_keeps(capturing=True) == (exact,) * 4
+    assert replay.resolve(v41, True, {replay.KEEP_ENV: "140"}).keeps == (140, 127, 127, 1)
     assert replay.resolve(v41, False, {}) is None
     assert replay.resolve(v41, False, {replay.MODE_ENV: "compact"}).exact
     assert replay.resolve(v41, True, {replay.MODE_ENV: "none"}) is None

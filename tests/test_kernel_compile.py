@@ -3,7 +3,7 @@
 The interpreter tests (`TRITON_INTERPRET=1 pytest tests/gpu`) check the kernels' numbers but not that the compiler
 accepts them (the interpreter is laxer about types); Triton's NVIDIA backend, bundled with the wheel, compiles to a
 cubin here. Covered: the kernels added without a GPU run behind them (paged slots, the mHC finalize with a
-non-power-of-two partial width, the radix-select top-k), every constexpr variant the wrappers launch.
+non-power-of-two partial width, the radix-select top-k, the clamped SwiGLU), every constexpr variant the wrappers launch.
 """
 
 from __future__ import annotations
@@ -73,3 +73,10 @@ def test_topk_rows_kernels_compile(nv):
     for kp in (16, 512, 1024, 2048, topk.MAX_K):
         _compile(topk._topk_sort_kernel, {"NV": nv, "OUT": "*i64", "n_cols": "i32", "k": "i32"}, dict(KP=kp),
                  num_warps=topk.SORT_WARPS)
+
+
+def test_swiglu_compiles():
+    from kernels_nvidia import rowwise
+
+    sig = {"A": "*bf16", "B": "*bf16", "Y": "*bf16", "N": "i32", "sa": "i32", "sb": "i32", "sy": "i32", "limit": "fp32"}
+    _compile(rowwise._swiglu_kernel, sig, dict(BLOCK=1024))

@@ -66,24 +66,31 @@ def test_prefill_compressed_rows_and_closed_groups():
 
 
 def test_retained_sub_batch_keeps_decodes_and_span_tails():
-    """Bounded replay: one-token requests stay first, each span keeps its positions >= replay_from
-    (a span entirely below it drops out), published top-k rows follow their tokens."""
+    """Bounded replay: one-token requests stay first, each span keeps its positions among its prompt's
+    last `keep` (a span entirely below them drops out), published top-k rows follow their tokens, the
+    sub-batch keeps the layer's window floor and the next layer's batch gets the new one."""
     from vllm_deepinfer.models.step import StepBatch
 
-    # 2 decodes, then spans at positions 100..109 (replay from 105), 0..4 (from 40), 50..55 (from 20)
-    positions = torch.tensor([300, 301] + list(range(100, 110)) + list(range(5)) + list(range(50, 56)))
-    spans = [RequestSpan(2, 2, 12, 100, 105), RequestSpan(3, 12, 17, 0, 40), RequestSpan(4, 17, 23, 50, 20)]
+    # 2 decodes, then spans at positions 100..109 (prompt 115, keep 10: from 105), 0..4 (prompt 50: from
+    # 40), 50..55 (prompt 30: from 20), 7..8 (prompt logprobs: never replayed)
+    positions = torch.tensor([300, 301] + list(range(100, 110)) + list(range(5)) + list(range(50, 56)) + [7, 8])
+    spans = [RequestSpan(2, 2, 12, 100, 115), RequestSpan(3, 12, 17, 0, 50), RequestSpan(4, 17, 23, 50, 30),
+             RequestSpan(5, 23, 25, 7, -1)]
     batch = StepBatch(positions * 10, positions, spans, None, n_dec=2, req=torch.arange(2),
-                      live=torch.ones(2, dtype=torch.bool), topk={6: positions.unsqueeze(1)})
-    kept = batch.retained()
-    assert kept.rows.tolist() == [0, 1] + list(range(7, 12)) + list(range(17, 23))
-    assert kept.batch.positions.tolist() == [300, 301] + list(range(105, 110)) + list(range(50, 56))
+                      live=torch.ones(2, dtype=torch.bool), topk={6: positions.unsqueeze(1)}, replay_keep=40)
+    kept = batch.retained(10)
+    assert kept.rows.tolist() == [0, 1] + list(range(7, 12)) + list(range(17, 25))
+    assert kept.batch.positions.tolist() == [300, 301] + list(range(105, 110)) + list(range(50, 56)) + [7, 8]
     assert kept.batch.token_ids.tolist() == (kept.batch.positions * 10).tolist()
     assert kept.batch.topk[6].squeeze(1).tolist() == kept.batch.positions.tolist()
-    assert [(s.req, s.start, s.end, s.first_pos, s.replay_from) for s in kept.batch.spans] == [
-        (2, 2, 7, 105, 105), (4, 7, 13, 50, 20)]
-    assert StepBatch(positions, positions, spans[2:], None, n_dec=2).retained() is None  # nothing dropped
-
+    assert [(s.req, s.start, s.end, s.first_pos, s.prompt_len) for s in kept.batch.spans] == [
+        (2, 2, 7, 105, 115), (4, 7, 13, 50, 30), (5, 13, 15, 7, -1)]
+    assert kept.batch.replay_keep == 40 and kept.batch.with_replay_keep(10).replay_keep == 10
+    # window floors: the layer's keep (40) bounds request 2 at 75; request 5 (no replay) only by its window
+    assert [s.window_floor(16, 40) for s in kept.batch.spans] == [90, 35, 0]
+    assert [s.window_floor(16) for s in kept.batch.spans] == [90, 35, 0]
+    assert [s.window_floor(40, 40) for s in kept.batch.spans] == [75, 11, 0]
+    assert StepBatch(positions, positions, spans[2:], None, n_dec=2).retained(10) is None  # nothing dropped
 
 
 def _per_token(counts: list[int], seq_lens: list[int], t: int):

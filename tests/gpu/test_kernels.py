@@ -560,3 +560,19 @@ def test_row_and_range_slots(device, tokens_per_row, block_size):
     for s in (None, stop):
         assert torch.equal(paging.range_slots(bt, req, start, k, s, *args),
                            ref.range_slots(bt, req, start, k, s, *args))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,inter", [(7, 2048), (3, 1000), (0, 64)])
+def test_swiglu(device, dtype, t, inter):
+    """Both halves of one [T, 2I] product (strided rows), values past the clamp limit included."""
+    from kernels_nvidia import ops as kn
+    _seed()
+    h = (torch.randn(t, 2 * inter, device=device) * 6).to(dtype)
+    a, b = h[:, :inter], h[:, inter:]
+    out = kn.swiglu(a, b, 7.0)
+    want = ref.swiglu(a.cpu(), b.cpu(), 7.0)
+    assert out.dtype == dtype and out.shape == a.shape
+    err = _rel(out, want) if a.numel() else 0.0
+    print(f"swiglu {t}x{inter} {dtype}: rel err {err:.2e}")
+    assert err < BOUND[dtype]

@@ -65,39 +65,36 @@ class Attention(nn.Module):
             self.indexer = Indexer(arch, plan, rope, f"{prefix}.indexer", page_bytes)
         # Caches of other layers (V4.1 sharing); set by the model once all layers exist.
         self.kv_source: PagedCache | None = self.compressed_cache
-        # Bounded replay: set by the model on the layers past the cut (window rows below replay_from unwritten).
-        self.past_replay_cut = False
 
     def forward(self, x: torch.Tensor, batch: StepBatch, retained: Retained | None = None) -> torch.Tensor:
         """x: [T, D] (normalised attention input) -> [T, D].
 
-        `retained` (bounded replay, the cut layer): every token's window KV, compressed KV and index keys
-        are written, the queries run on the retained rows only -> [T', D].
+        `retained` (bounded replay, the cut layer and those past it): every token's window KV (and the
+        cut's compressed KV and index keys) are written, the queries run on the retained rows only -> [T', D].
         """
-        t = x.shape[0]
         cos, sin = batch.token_cos_sin(self.rope)
         cq, kv = self.wq_a.forward_group(x)  # x wq_a^T, x wkv^T
-        cq = self.q_norm(cq)
-        q = self.wq_b(cq).view(t, self.n_heads, self.head_dim)
-        if self.per_head_q_norm:
-            q = ops.rms_norm(q, None, self.eps)
-        q = ops.apply_rope(q, cos, sin)
         kv = ops.apply_rope(self.kv_norm(kv), cos, sin)
         if self.parity_kv:  # fp8_ds_mla window record
             kv = quant.kv_record_roundtrip(kv, rope_dim=2 * cos.shape[-1])
-        if not batch.has_cache:  # vLLM dummy/profiling run: no cache to attend to
-            return torch.zeros_like(x)
-        if self.compressor is not None:
+        if self.compressor is not None and batch.has_cache:
             self._compress(x, batch)
         if retained is not None:
             if batch.prefill is not None:  # every prefill token's window row; the retained ones attend below
                 pf = batch.prefill
                 self.window_cache.write(batch.meta(self.window_cache), pf.req, pf.pos, kv[pf.start:pf.end])
             r, batch = retained.rows, retained.batch
-            x, cq, q, kv, t = x[r], cq[r], q[r], kv[r], r.shape[0]
-            if not t:  # every token of the step stops at the cut
+            x, cq, kv = x[r], cq[r], kv[r]
+            if not r.shape[0]:  # every token of the step stops at this layer
                 return x
             cos, sin = batch.token_cos_sin(self.rope)
+        cq = self.q_norm(cq)  # queries only for the rows that leave the layer
+        q = self.wq_b(cq).view(x.shape[0], self.n_heads, self.head_dim)
+        if self.per_head_q_norm:
+            q = ops.rms_norm(q, None, self.eps)
+        q = ops.apply_rope(q, cos, sin)
+        if not batch.has_cache:  # vLLM dummy/profiling run (activations as in a real step): no cache to attend to
+            return torch.zeros_like(x)
         selected = None
         if self.indexer is not None:
             selected = self.indexer(x, cq, batch)
@@ -109,7 +106,7 @@ class Attention(nn.Module):
             dec = self._attend_decode(q[:nd], kv[:nd], batch, None if selected is None else selected[:nd])
         if pf is not None:
             rows = slice(pf.start, pf.end)
-            stored = retained is not None  # cut layer: window rows stored above
+            stored = retained is not None  # window rows stored above
             pre = self._attend_prefill(q[rows], None if stored else kv[rows], batch,
                                        None if selected is None else selected[rows])
         out = batch.assemble(dec, pre)  # rows of padding tokens stay defined (0)
@@ -144,14 +141,14 @@ class Attention(nn.Module):
         positions at or above its window lower bound, and its selected (HCA: visible) rows.
         Peak temporaries: (Rw + Rc) * d for the keys (Rw <= P + spans * (W - 1), Rc = the spans'
         compressed rows) plus P * (W + k) ids; never [P, Rw + Rc]. Past the bounded-replay cut, window
-        rows below a request's `replay_from` were never written: the window floor excludes them.
+        rows below a request's `replay_from(batch.replay_keep)` were never written: the window floor excludes them.
         """
         pf = batch.prefill
         meta = batch.meta(self.window_cache)
         dev = q.device
         if kv is not None:
             self.window_cache.write(meta, pf.req, pf.pos, kv)
-        win = pf.window(self.window, replay_floor=self.past_replay_cut)
+        win = pf.window(self.window, batch.replay_keep)
         keys = [self.window_cache.read(meta, win.row_req, win.row_pos)]
         window = pf.pos.unsqueeze(1) - self.window + 1 + torch.arange(self.window, device=dev)     # [P, W]
         ids = [torch.where(window >= win.lo.unsqueeze(1), window + win.base.unsqueeze(1), -1)]

@@ -103,8 +103,8 @@ class DecoderLayer(nn.Module):
                 retained: Retained | None = None):
         """streams: [T, h, D]; carry: V4.1 pre of the previous sublayer [T, h] (None before layer 0).
 
-        `retained` (the bounded-replay cut layer): the attention writes every token's state, and only
-        the retained rows leave the layer ([T', h, D], [T', h]).
+        `retained` (bounded replay, the cut layer and those past it): the attention writes every token's
+        state, and only the retained rows leave the layer ([T', h, D], [T', h]).
         """
         if self.engram is not None:
             streams = self.engram(streams, batch)
@@ -117,7 +117,7 @@ class DecoderLayer(nn.Module):
         return self._sublayer(streams, carry, self.hc_ffn, lambda u: self.ffn(self.ffn_norm(u), batch.token_ids))
 
     def _sublayer(self, streams, carry, hc, fn, rows: torch.Tensor | None = None):
-        """rows: the rows fn returns (bounded-replay cut), None = all."""
+        """rows: the rows fn returns (bounded replay), None = all."""
         pre, post, comb = hc(streams)
         weights = carry if self.delayed else pre
         u = streams[:, 0] if weights is None else ops.hc_collapse(streams, weights)
@@ -165,9 +165,9 @@ class DeepseekModel(nn.Module):
             logger.info("vllm-deepinfer: bounded replay off in batch-invariant mode (full prefill)")
         if self.replay is not None:
             self._wire_replay(vllm_config.cache_config.enable_prefix_caching)
-        # Bounded replay counters (host ints): prompt tokens of prefill steps, and how many of them
-        # ran the layers past the cut.
-        self.replay_counts = {"prefill_tokens": 0, "past_cut_tokens": 0}
+        # Bounded replay counters (host ints): prompt tokens of prefill steps, how many of them left the
+        # cut layer, and the prompt rows the layers from the cut on ran in all.
+        self.replay_counts = {"prefill_tokens": 0, "past_cut_tokens": 0, "replay_rows": 0}
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.hc_head = HyperHead(arch) if arch.family == V4 else None
         # V4 MTP speculation: each step's pre-collapse streams [max_num_batched_tokens, h*D] for the drafter
@@ -191,12 +191,11 @@ class DeepseekModel(nn.Module):
                 attn.indexer.key_source = self.layers[plan.index_key_layer].attn.indexer.key_cache
 
     def _wire_replay(self, prefix_caching: bool) -> None:
-        """Bounded replay: layers past the cut mask unwritten window rows and declare their window KV as
-        replay groups; with prefix caching the other sliding-window caches keep `keep` more tokens."""
+        """Bounded replay: layers past the cut declare their window KV as replay groups; with prefix caching
+        the other sliding-window caches keep `keep` more tokens."""
         keep, cut = self.replay.keep, self.replay.cut
         for l, layer in enumerate(self.layers):
             if l > cut:
-                layer.attn.past_replay_cut = True
                 layer.attn.window_cache.replay_tokens = keep
         if prefix_caching:
             for cache in self.modules():
@@ -207,7 +206,8 @@ class DeepseekModel(nn.Module):
         """input_ids, positions: [T] -> final normalised hidden states [T, D] (bounded replay: rows of
         dropped prompt tokens are 0; vLLM samples only at a request's last prompt token, always kept)."""
         cut = self.replay.cut if self.replay is not None else -1
-        batch = StepBatch.from_forward_context(input_ids, positions, self.replay.keep if cut >= 0 else None)
+        keeps = self.replay.layer_keeps(self.capture is not None) if cut >= 0 else ()
+        batch = StepBatch.from_forward_context(input_ids, positions, cut >= 0)
         if self.history is not None:
             write_token_history(self.history, batch)
             self.engram_prefetch.start(batch)  # host tables: row gathers overlap the layers before Engram
@@ -217,14 +217,20 @@ class DeepseekModel(nn.Module):
         for l, layer in enumerate(self.layers):
             if self.capture is not None:
                 self.capture.record(l, streams, rows)
-            retained = batch.retained() if l == cut else None
+            if not 0 <= cut <= l:  # replay off, or a layer before the cut: every token
+                streams, carry = layer(streams, carry, batch)
+                continue
+            keep = keeps[l - cut]
+            retained = batch.retained(keep)
             streams, carry = layer(streams, carry, batch, retained)
-            if l == cut and batch.spans:
-                self._count_replay(batch, retained)
+            if batch.spans:
+                self._count_replay(l == cut, batch, retained)
             if retained is not None:
-                batch, rows = retained.batch, retained.rows
-                if not rows.numel():  # an early prefill chunk: only the cut's state writes were needed
+                rows = retained.rows if rows is None else rows[retained.rows]
+                batch = retained.batch
+                if not rows.numel():  # an early prefill chunk: only the state writes were needed
                     return e.new_zeros(e.shape)
+            batch = batch.with_replay_keep(keep)
         if self.mtp_states is not None:
             self.mtp_states[: streams.shape[0]].copy_(streams.flatten(1))
         weights = self.hc_head(streams) if self.hc_head is not None else carry
@@ -233,12 +239,14 @@ class DeepseekModel(nn.Module):
             hidden = hidden.new_zeros(input_ids.shape[0], hidden.shape[-1]).index_copy_(0, rows, hidden)
         return hidden
 
-    def _count_replay(self, batch: StepBatch, retained: Retained | None) -> None:
+    def _count_replay(self, at_cut: bool, batch: StepBatch, retained: Retained | None) -> None:
         total = batch.prefill.n_tokens
         kept = total if retained is None else (retained.batch.prefill.n_tokens if retained.batch.prefill else 0)
-        self.replay_counts["prefill_tokens"] += total
-        self.replay_counts["past_cut_tokens"] += kept
-        logger.debug("bounded replay: %d of %d prefill tokens run layers past %d", kept, total, self.replay.cut)
+        self.replay_counts["replay_rows"] += kept
+        if at_cut:
+            self.replay_counts["prefill_tokens"] += total
+            self.replay_counts["past_cut_tokens"] += kept
+            logger.debug("bounded replay: %d of %d prefill tokens run layers past %d", kept, total, self.replay.cut)
 
 
 class DeepseekForCausalLM(nn.Module, DeepseekMixtureOfExperts):

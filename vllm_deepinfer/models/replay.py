@@ -2,24 +2,31 @@
 
 Layers 0..cut (cut = max(kv_source_layer_ids)) write window KV, compressed KV and index keys for every
 token: the layers past the cut read the cut's compressed KV and index keys, and own only their
-window KV. So the cut layer's queries and FFN and every later layer run only on the *retained*
-positions p >= R of a request, R = P - keep (P prompt tokens; fixed for the request's life, so
-chunked prefill and recompute after preemption see the same R); window reads past the cut are
-masked to rows >= R, which are the only ones written there.
+window KV. So the cut layer's queries and FFN and every later layer run only on a request's trailing
+positions, and each layer past the cut on fewer of them than the one before: layer cut+k's queries
+and FFN run on the positions p >= P - keep_k (P prompt tokens; fixed for the request's life, so
+chunked prefill and recompute after preemption see the same rows), its window KV is written for the
+rows it receives (p >= P - keep_{k-1}), and its window reads are masked to those rows.
 
 Exactness (every output that matters equals full prefill). Past the cut, a token depends on earlier
 tokens only through its layer's window (W rows: itself and W-1 earlier ones); the cut's compressed
 rows and index keys are complete, and index selection / candidate blocks are per token (own query
-against complete keys). The cut layer's window is complete, so its outputs at p >= R are exact; by
-induction the output of layer cut+k at p is exact iff p >= R + k(W-1). With n = L-1-cut layers past
-the cut, keep = n(W-1) + 1 makes
-  * the last prompt token (p = P-1) exact at the last layer, so the first sampled token is exact;
-  * every window row a decode step reads exact: the first decode step reads rows >= P-W+1 of layer
-    cut+k, computed from layer cut+k-1's output, exact iff P-W+1 >= R + (k-1)(W-1), i.e.
-    keep >= k(W-1); later steps read the same rows or rows they computed themselves.
+against complete keys). With n = L-1-cut layers past the cut and
+  keep_k = (n-k)(W-1) + 1   (k = 0..n; keep_0 = keep = n(W-1)+1, the last layer keep_n = 1),
+layer cut+k's output at p >= P - keep_k reads window rows >= P - keep_k - (W-1) = P - keep_{k-1} of
+its own input, all of which layer cut+k-1 computed exactly (the cut's window is complete): by
+induction every kept output is exact. So
+  * the last prompt token (p = P-1, keep_n = 1) is exact at the last layer: the first sampled token is;
+  * every window row a decode step reads is exact: a decode step at P reads rows >= P-W+1 of layer
+    cut+k, computed from layer cut+k-1's output, kept since keep_{k-1} >= W-1; later steps read the
+    same rows or rows they computed themselves.
+Against one keep for every layer past the cut this halves their rows (n = 3, W = 128: 381 + 254 +
+127 + 1 instead of 4 x 382 per prompt). While a DSpark drafter captures the streams entering layers
+past the cut (`models/capture.py`), every layer keeps `keep` rows so the captured rows stay complete.
 A smaller keep (DeepInfer's `DEEPINFER_YOCO_PREFILL_KEEP_TOKENS`, default 140 there; vLLM's in-tree
-keeps W = 128 rows) is approximate: the first retained rows see truncated windows. keep >= W is
-required either way, so decode steps never read an unwritten row.
+keeps W = 128 rows) is approximate: the first kept rows see truncated windows; then
+keep_k = max(keep - k(W-1), W-1) for k < n. keep >= W is required either way, so decode steps never
+read an unwritten row.
 
 Not replayed (run every layer on every token): requests that ask for prompt logprobs, and every
 request when the runner gives no prompt lengths. Prefix hits: the past-cut window caches are kept
@@ -66,16 +73,28 @@ def parse_keep(value: str) -> int | None:
 
 @dataclasses.dataclass(frozen=True)
 class ReplayPolicy:
-    """cut: last KV-source layer; keep: trailing prompt tokens per request that run the layers past it;
-    exact_keep = n(W-1)+1, the smallest keep that is exact."""
+    """cut: last KV-source layer; keep: trailing prompt tokens per request that leave the cut layer;
+    exact_keep = n(W-1)+1, the smallest keep that is exact; keeps[k]: the trailing prompt tokens that
+    leave layer cut+k (k = 0..n, keeps[0] = keep, non-increasing)."""
 
     cut: int
     keep: int
     exact_keep: int
+    keeps: tuple[int, ...]
 
     @property
     def exact(self) -> bool:
         return self.keep >= self.exact_keep
+
+    def layer_keeps(self, capturing: bool) -> tuple[int, ...]:
+        """Output keep of layers cut..L-1; `capturing` (a drafter reads streams past the cut): `keep` for all."""
+        return (self.keep,) * len(self.keeps) if capturing else self.keeps
+
+
+def layer_keeps(keep: int, n: int, window: int) -> tuple[int, ...]:
+    """keep_k of layers cut+k, k = 0..n: keep - k(W-1), at least W-1 (the window rows a decode step reads
+    from the next layer), and 1 at the last layer (only the last prompt token's output is used)."""
+    return tuple(max(keep - k * (window - 1), window - 1) for k in range(n)) + (1,)
 
 
 def exact_keep(arch: ArchConfig) -> int:
@@ -110,9 +129,10 @@ def resolve(arch: ArchConfig, swa_bounded_replay: bool, environ: dict[str, str] 
         raise ValueError(f"{KEEP_ENV}={keep} is below the sliding window {arch.window}: decode steps read the "
                          f"last {arch.window} window rows of every layer past the cut, so at least that many must "
                          f"be computed (exact: {exact})")
-    policy = ReplayPolicy(cut, keep, exact)
-    logger.info("vllm-deepinfer bounded replay: layers %d..%d run on each prompt's last %d tokens (%s; exact keep %d)",
-                cut + 1, arch.num_layers - 1, keep, "exact" if policy.exact else "APPROXIMATE", exact)
+    policy = ReplayPolicy(cut, keep, exact, layer_keeps(keep, arch.num_layers - 1 - cut, arch.window))
+    logger.info("vllm-deepinfer bounded replay: layers %d..%d run on each prompt's last %s tokens (%s; exact keep %d)",
+                cut, arch.num_layers - 1, "/".join(map(str, policy.keeps)), "exact" if policy.exact else "APPROXIMATE",
+                exact)
     return policy
 
 

@@ -18,15 +18,15 @@ from vllm_deepinfer.attention.caches import PagedCache
 class RequestSpan:
     """Tokens [start, end) of the batch belong to request `req`, at positions first..first+n-1.
 
-    `replay_from` (bounded replay): the request's first position that runs the layers past the cut;
-    their window rows below it are never written (0 = every position runs every layer).
+    `prompt_len` (bounded replay): the request's prompt length P; layers from the cut on run only its
+    positions >= P - keep of their layer (`StepBatch.retained`); -1 = every position runs every layer.
     """
 
     req: int
     start: int
     end: int
     first_pos: int
-    replay_from: int = 0
+    prompt_len: int = -1
 
     @property
     def last_pos(self) -> int:
@@ -37,10 +37,14 @@ class RequestSpan:
         """Groups g of m positions closed by a token of this span (position m*g + m - 1 lies in it)."""
         return range(-(-(self.first_pos + 1) // m) - 1, (self.last_pos + 1) // m)
 
-    def window_floor(self, window: int, replay_floor: bool = False) -> int:
+    def replay_from(self, keep: int | None) -> int:
+        """First position of the request among a layer's last `keep` prompt positions (None: 0)."""
+        return max(0, self.prompt_len - keep) if keep is not None and self.prompt_len >= 0 else 0
+
+    def window_floor(self, window: int, floor_keep: int | None = None) -> int:
         """Lowest position any token of the span attends to in a window of `window` positions
-        (`replay_floor`: a layer past the bounded-replay cut, whose rows below `replay_from` are unwritten)."""
-        return max(0, self.first_pos - window + 1, self.replay_from if replay_floor else 0)
+        (`floor_keep`: a layer past the bounded-replay cut, whose rows below `replay_from(floor_keep)` are unwritten)."""
+        return max(0, self.first_pos - window + 1, self.replay_from(floor_keep))
 
 
 @dataclasses.dataclass
@@ -103,11 +107,11 @@ class PrefillLayout:
     def n_tokens(self) -> int:
         return self.end - self.start
 
-    def window(self, w: int, replay_floor: bool = False) -> WindowLayout:
-        """Packed window rows of `w` positions (memoised per step); `replay_floor`: see `RequestSpan.window_floor`."""
-        if ("w", w, replay_floor) not in self._memo:
+    def window(self, w: int, floor_keep: int | None = None) -> WindowLayout:
+        """Packed window rows of `w` positions (memoised per step); `floor_keep`: see `RequestSpan.window_floor`."""
+        if ("w", w, floor_keep) not in self._memo:
             n, pos = self._host["n"], self._host["pos"]
-            floor = np.array([s.window_floor(w, replay_floor) for s in self.spans], dtype=np.int64)
+            floor = np.array([s.window_floor(w, floor_keep) for s in self.spans], dtype=np.int64)
             last = np.array([s.last_pos for s in self.spans], dtype=np.int64)
             count = last - floor + 1
             row_start = np.cumsum(count) - count
@@ -116,8 +120,8 @@ class PrefillLayout:
             base = np.repeat(row_start - floor, n)
             lo = np.maximum(pos - w + 1, np.repeat(floor, n))
             dev = self.req.device
-            self._memo["w", w, replay_floor] = WindowLayout(*(_dev(a, dev) for a in (row_req, row_pos, base, lo)))
-        return self._memo["w", w, replay_floor]
+            self._memo["w", w, floor_keep] = WindowLayout(*(_dev(a, dev) for a in (row_req, row_pos, base, lo)))
+        return self._memo["w", w, floor_keep]
 
     def compressed(self, m: int) -> CompressedLayout:
         """Packed compressed rows of ratio `m` (memoised per step)."""
@@ -150,8 +154,8 @@ def _dev(a: np.ndarray, device: torch.device) -> torch.Tensor:
 
 @dataclasses.dataclass
 class Retained:
-    """Bounded replay: the tokens of a step that run the layers past the cut. rows: [T'] indices
-    into the step's tokens (one-token requests first, as in the step); batch: their sub-batch."""
+    """Bounded replay: the tokens of a (sub-)batch that leave a layer from the cut on. rows: [T']
+    indices into that batch's tokens (one-token requests first, as in the step); batch: their sub-batch."""
 
     rows: torch.Tensor
     batch: StepBatch
@@ -172,7 +176,9 @@ class StepBatch:
     token's cache rows before reading any, so a request's earlier tokens of the step are visible to its
     later ones. `spans` are the remaining requests (prefill chunks), all handled at once through
     `prefill` (None when there are none: a per-token step, what vLLM captures as a full CUDA graph).
-    Tokens after the last span (padding) belong to no request.
+    Tokens after the last span (padding) belong to no request. `replay_keep` (bounded replay, layers
+    past the cut): the keep of the layer before, so window rows below a span's `replay_from(replay_keep)`
+    were never written (None: every row was).
 
     Batch-invariant mode (`ops.batch_invariant()`): every token takes the fixed-shape per-token path
     (`req[i]` = the request of token i, `spans` empty; bounded replay is off), so a
@@ -190,6 +196,7 @@ class StepBatch:
     topk: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     candidates: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     prefill: PrefillLayout | None = None
+    replay_keep: int | None = None
     _rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
@@ -228,42 +235,47 @@ class StepBatch:
     def __iter__(self) -> Iterator[RequestSpan]:
         return iter(self.spans)
 
-    def retained(self) -> Retained | None:
-        """Bounded replay: the sub-batch of the tokens at or after their request's `replay_from` (every
-        one-token request, the retained tail of each span); None when this step drops no token."""
-        if all(s.first_pos >= s.replay_from for s in self.spans):
+    def retained(self, keep: int) -> Retained | None:
+        """Bounded replay: the sub-batch of the tokens among their request's last `keep` prompt
+        positions (every one-token request, the kept tail of each span); None when no token drops.
+        The sub-batch keeps this batch's `replay_keep` (the window floor of the layer it runs in)."""
+        if all(s.first_pos >= s.replay_from(keep) for s in self.spans):
             return None
         t = self.n_dec
         parts, spans = [np.arange(t)], []
         for s in self.spans:
-            skip = min(max(0, s.replay_from - s.first_pos), s.end - s.start)
+            skip = min(max(0, s.replay_from(keep) - s.first_pos), s.end - s.start)
             n = s.end - s.start - skip
             if n:
                 parts.append(np.arange(s.start + skip, s.end))
-                spans.append(RequestSpan(s.req, t, t + n, s.first_pos + skip, s.replay_from))
+                spans.append(RequestSpan(s.req, t, t + n, s.first_pos + skip, s.prompt_len))
                 t += n
-        rows = _dev(np.concatenate(parts), self.token_ids.device)  # host-built: one copy per step
+        rows = _dev(np.concatenate(parts), self.token_ids.device)  # host-built: one copy per layer
         sub = StepBatch(self.token_ids[rows], self.positions[rows], spans, self.attn_metadata, self.n_dec, self.req,
                         self.live, {l: v[rows] for l, v in self.topk.items()},
-                        {l: v[rows] for l, v in self.candidates.items()})
+                        {l: v[rows] for l, v in self.candidates.items()}, replay_keep=self.replay_keep)
         return Retained(rows, sub)
+
+    def with_replay_keep(self, keep: int) -> "StepBatch":
+        """This batch as the input of the layer after one that kept `keep` prompt positions."""
+        return dataclasses.replace(self, replay_keep=keep)
 
     @classmethod
     def from_forward_context(cls, token_ids: torch.Tensor, positions: torch.Tensor,
-                             replay_keep: int | None = None) -> "StepBatch":
-        """The step's layout from vLLM's forward context. `replay_keep` (bounded replay on): each
-        request's last `replay_keep` prompt positions run the layers past the cut (`RequestSpan.replay_from`)."""
+                             replay: bool = False) -> "StepBatch":
+        """The step's layout from vLLM's forward context. `replay` (bounded replay on): spans carry their
+        request's prompt length (`RequestSpan.prompt_len`; requests that ask for prompt logprobs do not)."""
         attn_metadata = None
         if is_forward_context_available():
             attn_metadata = get_forward_context().attn_metadata
         if isinstance(attn_metadata, list):  # micro-batching is not used by this model
             attn_metadata = attn_metadata[0] if attn_metadata else None
-        return cls.from_metadata(token_ids, positions, attn_metadata, replay_keep)
+        return cls.from_metadata(token_ids, positions, attn_metadata, replay)
 
     @classmethod
     def from_metadata(cls, token_ids: torch.Tensor, positions: torch.Tensor,
                       attn_metadata: dict[str, PagedCacheMetadata] | None,
-                      replay_keep: int | None = None) -> "StepBatch":
+                      replay: bool = False) -> "StepBatch":
         """The step's layout from its per-cache metadata (`from_forward_context`)."""
         if not attn_metadata:
             return cls(token_ids, positions, [], None)
@@ -282,10 +294,8 @@ class StepBatch:
         else:  # one device read per step
             firsts = positions[qsl[:-1].clamp(max=max(positions.numel() - 1, 0)).to(positions.device)].tolist()
         qsl = qsl.tolist()
-        starts = [0] * meta.num_reqs
-        if replay_keep is not None and meta.prompt_lens is not None:
-            starts = [max(0, p - replay_keep) if p >= 0 else 0 for p in meta.prompt_lens]
-        spans = [RequestSpan(r, qsl[r], qsl[r + 1], firsts[r], starts[r]) for r in range(n_dec, meta.num_reqs)
+        prompt_lens = list(meta.prompt_lens) if replay and meta.prompt_lens is not None else [-1] * meta.num_reqs
+        spans = [RequestSpan(r, qsl[r], qsl[r + 1], firsts[r], int(prompt_lens[r])) for r in range(n_dec, meta.num_reqs)
                  if qsl[r + 1] > qsl[r]]
         return cls(token_ids, positions, spans, attn_metadata, n_dec=n_dec, req=torch.arange(n_dec, device=dev),
                    live=torch.ones(n_dec, dtype=torch.bool, device=dev))

@@ -27,7 +27,6 @@ from vllm_deepinfer.ops.reference import (  # noqa: F401  (reference-only ops)
     linear,
     rope_cos_sin,
     sqrtsoftplus_route,
-    swiglu_clamped,
 )
 
 KERNELS = os.environ.get("VLLM_DEEPINFER_KERNELS", "auto").lower()
@@ -77,6 +76,15 @@ def _dispatch(name: str, x: torch.Tensor, *args, fallback=None, **kwargs):
             except NotImplementedError:
                 pass
     return (fallback or getattr(reference, name))(*args, **kwargs)
+
+
+def swiglu(a, b, limit):
+    return _dispatch("swiglu", a, a, b, limit)
+
+
+def swiglu_clamped(x, w1, w3, w2, limit, act=None):
+    """`reference.swiglu_clamped` with the activation on the device kernel (`swiglu`)."""
+    return reference.swiglu_clamped(x, w1, w3, w2, limit, act, activation=swiglu)
 
 
 def rms_norm(x, weight, eps):

@@ -261,18 +261,23 @@ def sqrtsoftplus_route(logits: torch.Tensor, bias: torch.Tensor | None, topk: in
     return ids, scale * picked / (picked.sum(-1, keepdim=True) + 1e-20)
 
 
+def swiglu(a: torch.Tensor, b: torch.Tensor, limit: float) -> torch.Tensor:
+    """Clamped SwiGLU activation silu(min(a, l)) * clamp(b, -l, l) in fp32. a, b: [T, I] -> [T, I] in a's dtype."""
+    return (elementwise(F.silu, a.float().clamp(max=limit)) * b.float().clamp(-limit, limit)).to(a.dtype)
+
+
 def swiglu_clamped(x: torch.Tensor, w1, w3, w2,
-                   limit: float, act=None) -> torch.Tensor:
+                   limit: float, act=None, activation=swiglu) -> torch.Tensor:
     """Clamped SwiGLU expert: (silu(min(x w1, l)) * clamp(x w3, -l, l)) w2. x: [T, D] -> [T, D].
     w1, w3: [I, D] and w2: [D, I] weights, or callables t -> t W^T (FP8-packed linears); w3 = None:
     w1 is a callable giving both products (t W1^T, t W3^T) (one stacked GEMM, `Linear.matmul_group`).
 
-    `act`: optional function applied to each GEMM input (parity numerics: FP8 activation round trip)."""
+    `act`: optional function applied to each GEMM input (parity numerics: FP8 activation round trip);
+    `activation`: the `swiglu` op to use (`ops.swiglu_clamped` passes the device kernel's)."""
     act = act or (lambda t: t)
     xa = act(x)
     a, b = w1(xa) if w3 is None else (_mm(xa, w1), _mm(xa, w3))
-    a, b = a.float().clamp(max=limit), b.float().clamp(-limit, limit)
-    return _mm(act((elementwise(F.silu, a) * b).to(x.dtype)), w2)
+    return _mm(act(activation(a, b, limit).to(x.dtype)), w2)
 
 
 def _mm(x: torch.Tensor, w) -> torch.Tensor:
