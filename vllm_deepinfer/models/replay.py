@@ -20,8 +20,8 @@ induction every kept output is exact. So
   * every window row a decode step reads is exact: a decode step at P reads rows >= P-W+1 of layer
     cut+k, computed from layer cut+k-1's output, kept since keep_{k-1} >= W-1; later steps read the
     same rows or rows they computed themselves.
-Against one keep for every layer past the cut this halves their rows (n = 3, W = 128: 381 + 254 +
-127 + 1 instead of 4 x 382 per prompt). While a DSpark drafter captures the streams entering layers
+Against one keep for every layer past the cut this halves their rows (n = 3, W = 128: 382 + 255 +
+128 + 1 instead of 4 x 382 per prompt). While a DSpark drafter captures the streams entering layers
 past the cut (`models/capture.py`), every layer keeps `keep` rows so the captured rows stay complete.
 A smaller keep (DeepInfer's `DEEPINFER_YOCO_PREFILL_KEEP_TOKENS`, default 140 there; vLLM's in-tree
 keeps W = 128 rows) is approximate: the first kept rows see truncated windows; then
