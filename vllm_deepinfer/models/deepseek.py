@@ -165,6 +165,7 @@ class DeepseekModel(nn.Module):
             logger.info("vllm-deepinfer: bounded replay off in batch-invariant mode (full prefill)")
         if self.replay is not None:
             self._wire_replay(vllm_config.cache_config.enable_prefix_caching)
+        self.data_parallel = vllm_config.parallel_config.data_parallel_size > 1
         # Bounded replay counters (host ints): prompt tokens of prefill steps, how many of them left the
         # cut layer, and the prompt rows the layers from the cut on ran in all.
         self.replay_counts = {"prefill_tokens": 0, "past_cut_tokens": 0, "replay_rows": 0}
@@ -208,6 +209,7 @@ class DeepseekModel(nn.Module):
         cut = self.replay.cut if self.replay is not None else -1
         keeps = self.replay.layer_keeps(self.capture is not None) if cut >= 0 else ()
         batch = StepBatch.from_forward_context(input_ids, positions, cut >= 0)
+        dp_rows = replay.agree_across_dp(batch.replay_rows(keeps)) if cut >= 0 and self.data_parallel else None
         if self.history is not None:
             write_token_history(self.history, batch)
             self.engram_prefetch.start(batch)  # host tables: row gathers overlap the layers before Engram
@@ -222,13 +224,15 @@ class DeepseekModel(nn.Module):
                 continue
             keep = keeps[l - cut]
             retained = batch.retained(keep)
-            streams, carry = layer(streams, carry, batch, retained)
+            with replay.dp_rows(dp_rows, l - cut):
+                streams, carry = layer(streams, carry, batch, retained)
             if batch.spans:
                 self._count_replay(l == cut, batch, retained)
             if retained is not None:
                 rows = retained.rows if rows is None else rows[retained.rows]
                 batch = retained.batch
                 if not rows.numel():  # an early prefill chunk: only the state writes were needed
+                    self._idle_moe(l, dp_rows, e[:0], input_ids[:0])
                     return e.new_zeros(e.shape)
             batch = batch.with_replay_keep(keep)
         if self.mtp_states is not None:
@@ -238,6 +242,17 @@ class DeepseekModel(nn.Module):
         if rows is not None:
             hidden = hidden.new_zeros(input_ids.shape[0], hidden.shape[-1]).index_copy_(0, rows, hidden)
         return hidden
+
+    def _idle_moe(self, first: int, dp_rows: torch.Tensor | None, x: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """Data parallel, a rank left with no rows by layer `first` (which then skips its FFN): its FFNs from
+        `first` on still join the MoE collectives of the ranks that have rows (x: [0, D], token_ids: [0])."""
+        if dp_rows is None:
+            return
+        cut = self.replay.cut
+        for l in range(first, len(self.layers)):
+            if dp_rows[l - cut].any():
+                with replay.dp_rows(dp_rows, l - cut):
+                    self.layers[l].ffn(x, token_ids)
 
     def _count_replay(self, at_cut: bool, batch: StepBatch, retained: Retained | None) -> None:
         total = batch.prefill.n_tokens

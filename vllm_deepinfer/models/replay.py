@@ -37,8 +37,13 @@ then retain `keep` more tokens so the rewound tail resumes from cached rows.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
 
 from vllm_deepinfer.attention.backend import step_prompt_lens
 from vllm_deepinfer.config import V41, ArchConfig
@@ -134,6 +139,49 @@ def resolve(arch: ArchConfig, swa_bounded_replay: bool, environ: dict[str, str] 
                 cut, arch.num_layers - 1, "/".join(map(str, policy.keeps)), "exact" if policy.exact else "APPROXIMATE",
                 exact)
     return policy
+
+
+def agree_across_dp(rows: list[int]) -> torch.Tensor | None:
+    """Data parallel: every DP rank's row count leaving each layer from the cut on, [len(rows), dp] int32.
+
+    The MoE all2all of a layer gathers every rank's rows with the per-rank sizes of the step's DP metadata,
+    which count the step's tokens; from the cut on a rank runs fewer. One host all-reduce on the DP group
+    per eager step (as vLLM's in-tree replay agrees its batch), made by every rank's forward in the same
+    steps: vLLM syncs the CUDA-graph mode across DP ranks and an idle rank runs a dummy batch. None when
+    DP is off, or in a graph (per-token steps: no token drops).
+    """
+    from vllm.config import CUDAGraphMode
+    from vllm.distributed import get_dp_group
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+    from vllm.v1.worker.dp_utils import should_skip_dp_coordination
+
+    if not is_forward_context_available() or should_skip_dp_coordination():
+        return None
+    ctx = get_forward_context()
+    if ctx.dp_metadata is None or ctx.cudagraph_runtime_mode != CUDAGraphMode.NONE:
+        return None
+    group = get_dp_group()
+    agreed = torch.zeros(len(rows), group.world_size, dtype=torch.int32)
+    agreed[:, group.rank_in_group] = torch.tensor(rows, dtype=torch.int32)
+    dist.all_reduce(agreed, group=group.cpu_group)
+    return agreed
+
+
+@contextlib.contextmanager
+def dp_rows(agreed: torch.Tensor | None, k: int) -> Iterator[None]:
+    """Layer cut+k under DP: the forward context's per-rank sizes are `agreed[k]` (`agree_across_dp`)."""
+    if agreed is None:
+        yield
+        return
+    from vllm.forward_context import DPMetadata, get_forward_context
+
+    ctx = get_forward_context()
+    step = ctx.dp_metadata
+    ctx.dp_metadata = DPMetadata(agreed[k])  # the context itself stays: MoE layers count calls on it
+    try:
+        yield
+    finally:
+        ctx.dp_metadata = step
 
 
 def replay_model_state_cls():

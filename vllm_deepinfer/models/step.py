@@ -256,6 +256,17 @@ class StepBatch:
                         {l: v[rows] for l, v in self.candidates.items()}, replay_keep=self.replay_keep)
         return Retained(rows, sub)
 
+    def replay_rows(self, keeps: tuple[int, ...]) -> list[int]:
+        """Host row counts leaving the layers whose output keeps are `keeps` (non-increasing), as chained
+        `retained` calls give them: every token (padding too) until one drops, then the one-token requests
+        plus each span's kept tail."""
+        rows, dropped = [], False
+        for keep in keeps:
+            tails = [max(0, (s.end - s.start) - max(0, s.replay_from(keep) - s.first_pos)) for s in self.spans]
+            dropped = dropped or any(n < s.end - s.start for n, s in zip(tails, self.spans))
+            rows.append(self.n_dec + sum(tails) if dropped else self.token_ids.shape[0])
+        return rows
+
     def with_replay_keep(self, keep: int) -> "StepBatch":
         """This batch as the input of the layer after one that kept `keep` prompt positions."""
         return dataclasses.replace(self, replay_keep=keep)

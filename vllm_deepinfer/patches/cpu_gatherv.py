@@ -35,6 +35,8 @@ def _all_gatherv_one(comm, x: torch.Tensor, sizes: list[int] | None) -> torch.Te
     """x: [sizes[rank], ...] -> [sum(sizes), ...], rank blocks in rank order."""
     sizes = _sizes(comm, x.shape[0], sizes)
     pad = max(sizes)
+    if not pad:  # every rank has no rows (the same sizes everywhere: all skip)
+        return x
     block = x.new_zeros((pad, *x.shape[1:]))
     block[: x.shape[0]] = x
     out = x.new_empty((comm.world_size * pad, *x.shape[1:]))
@@ -64,6 +66,8 @@ def reduce_scatterv(self, input_: torch.Tensor, dim: int = -1, sizes: list[int] 
     if len(sizes) != world or sum(sizes) != x.shape[0]:
         raise ValueError(f"reduce_scatterv sizes {sizes} do not cover {x.shape[0]} rows on {world} ranks")
     pad = max(sizes)
+    if not pad:
+        return input_
     blocks = x.new_zeros((world * pad, *x.shape[1:]))
     start = 0
     for r, n in enumerate(sizes):
