@@ -41,6 +41,10 @@ class RequestSpan:
         """First position of the request among a layer's last `keep` prompt positions (None: 0)."""
         return max(0, self.prompt_len - keep) if keep is not None and self.prompt_len >= 0 else 0
 
+    def replay_skip(self, keep: int) -> int:
+        """Leading tokens of the span outside the request's last `keep` prompt positions."""
+        return min(max(0, self.replay_from(keep) - self.first_pos), self.end - self.start)
+
     def window_floor(self, window: int, floor_keep: int | None = None) -> int:
         """Lowest position any token of the span attends to in a window of `window` positions
         (`floor_keep`: a layer past the bounded-replay cut, whose rows below `replay_from(floor_keep)` are unwritten)."""
@@ -239,12 +243,12 @@ class StepBatch:
         """Bounded replay: the sub-batch of the tokens among their request's last `keep` prompt
         positions (every one-token request, the kept tail of each span); None when no token drops.
         The sub-batch keeps this batch's `replay_keep` (the window floor of the layer it runs in)."""
-        if all(s.first_pos >= s.replay_from(keep) for s in self.spans):
+        if not any(s.replay_skip(keep) for s in self.spans):
             return None
         t = self.n_dec
         parts, spans = [np.arange(t)], []
         for s in self.spans:
-            skip = min(max(0, s.replay_from(keep) - s.first_pos), s.end - s.start)
+            skip = s.replay_skip(keep)
             n = s.end - s.start - skip
             if n:
                 parts.append(np.arange(s.start + skip, s.end))
@@ -262,9 +266,10 @@ class StepBatch:
         plus each span's kept tail."""
         rows, dropped = [], False
         for keep in keeps:
-            tails = [max(0, (s.end - s.start) - max(0, s.replay_from(keep) - s.first_pos)) for s in self.spans]
-            dropped = dropped or any(n < s.end - s.start for n, s in zip(tails, self.spans))
-            rows.append(self.n_dec + sum(tails) if dropped else self.token_ids.shape[0])
+            skips = [s.replay_skip(keep) for s in self.spans]
+            dropped = dropped or any(skips)
+            rows.append(self.n_dec + sum(s.end - s.start for s in self.spans) - sum(skips) if dropped
+                        else self.token_ids.shape[0])
         return rows
 
     def with_replay_keep(self, keep: int) -> "StepBatch":
