@@ -306,7 +306,10 @@ def test_concurrent_streams_with_aborts(server, model_name):
 
     async def worker(wid: int, deadline: float) -> None:
         rng = random.Random(wid)
-        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
+        # One connection per request ("Connection: close"): the stress is on the engine, not on HTTP keep-alive
+        # (a pooled connection the server's 5 s keep-alive timer closes as it is reused reads as a ReadError).
+        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300,
+                                     default_headers={"Connection": "close"})
         mine = 0  # this worker's completed streams: the count bounds the work, the deadline only extends it
         while time.time() < deadline or mine < 2:
             max_tokens = rng.randint(4, 48)
@@ -339,7 +342,11 @@ def test_concurrent_streams_with_aborts(server, model_name):
         deadline = time.time() + STRESS_SECONDS
         await asyncio.gather(*(worker(i, deadline) for i in range(32)))
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except openai.APIConnectionError as e:
+        raise AssertionError(f"{e!r}; server alive: {server.proc.poll() is None}; server log tail:\n"
+                             f"{server.log.read_text()[-6000:]}") from e
     assert not stats["bad"], stats["bad"][:5]
     assert stats["completed"] >= 2 * 32 and stats["aborted"] > 0, stats
     assert server.alive()
