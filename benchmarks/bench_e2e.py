@@ -57,7 +57,7 @@ import sys
 import time
 from pathlib import Path
 
-from engine_info import describe  # benchmarks/ is on sys.path: the scripts run as files
+from engine_info import describe, host_profile  # benchmarks/ is on sys.path: the scripts run as files
 
 HERE = Path(__file__).resolve()
 
@@ -266,6 +266,10 @@ def worker(a) -> None:
 
     if a.profile:
         res["profile"] = profile(a, timed, prefill_ns, decode_bs)
+    if a.host_profile:  # after the timed runs: cProfile of one decode batch (the engine core runs in-process)
+        b = a.host_profile
+        host_profile(lambda: decode_steps(engine, prompts(b, a.decode_prompt_len), a.decode_tokens, f"h{b}"),
+                     f"{a.impl}, decode batch {b}, {a.decode_tokens} tokens", top=40)
     res["total_s"] = round(time.time() - t0, 1)
     _dump(out, res)
     print(f"[{a.impl}] done in {res['total_s']} s", flush=True)
@@ -428,7 +432,10 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true", help="torch.profiler top ops, both sides (runs engines in-process)")
     p.add_argument("--profile-top", type=int, default=25)
     p.add_argument("--profile-batch", type=int, default=64, help="decode batch of the per-step profile")
-    p.add_argument("--inproc", action="store_true", help="VLLM_ENABLE_V1_MULTIPROCESSING=0 (implied by --profile)")
+    p.add_argument("--host-profile", type=int, default=0, metavar="B",
+                   help="after the timed runs, cProfile one decode batch of B requests (in-process engine)")
+    p.add_argument("--inproc", action="store_true",
+                   help="VLLM_ENABLE_V1_MULTIPROCESSING=0 (implied by --profile and --host-profile)")
     p.add_argument("--timeout", type=int, default=900, help="seconds per implementation subprocess")
     p.add_argument("--device-smoke", action="store_true",
                    help="CPU smoke test: tiny preset, float32, eager, small sizes")
@@ -449,7 +456,7 @@ def main(argv=None) -> int:
         a.kv_gib, a.gpu_mem, a.profile_top, a.warmup, a.reps = 0.0, 0.2, 12, 0, 1
         a.inproc = True  # engine start ~5 s instead of ~80 s on CPU
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    if a.profile:
+    if a.profile or a.host_profile:
         a.inproc = True
     a.layers = a.layers or None
     # one scheduler step holds every prefill and every decode batch's prompts: the decode batches start with
@@ -526,10 +533,10 @@ def main(argv=None) -> int:
                 results[impl]["planner"] = lines
         if rc != 0:
             print("  --- log tail ---\n  " + "\n  ".join(text[-25:]))
-        elif a.profile:
+        elif a.profile or a.host_profile:
             keep, on = [], False
             for ln in text:
-                on = on or ln.startswith(f"[{impl}] profile")
+                on = on or ln.startswith((f"[{impl}] profile", "== host profile"))
                 if on and not ln.startswith(f"[{impl}] done"):
                     keep.append(ln)
             print("\n".join(keep))

@@ -29,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 
+import engine_info  # benchmarks/ is on sys.path: the scripts run as files
+
 
 def run_mode(args: argparse.Namespace) -> dict:
     """One engine (this process): per batch size, per-user tok/s and spec-decode counters."""
@@ -90,26 +92,13 @@ def run_mode(args: argparse.Namespace) -> dict:
 
 
 def host_profile(llm, args: argparse.Namespace, rng, params) -> None:
-    """cProfile one batch-1 generate call of --new-tokens (in-process engine: the engine core's Python is seen)."""
-    import cProfile
-    import io
-    import pstats
-
+    """cProfile one batch-1 generate call of --new-tokens (after one unprofiled warm call)."""
     from vllm.inputs import TokensPrompt
 
     prompt = [TokensPrompt(prompt_token_ids=[rng.randrange(10, 8000) for _ in range(args.prompt_len)])]
     llm.generate(prompt, params, use_tqdm=False)
-    prof = cProfile.Profile()
-    t = time.perf_counter()
-    prof.enable()
-    llm.generate(prompt, params, use_tqdm=False)
-    prof.disable()
-    wall = time.perf_counter() - t
-    for key in ("tottime", "cumulative"):
-        buf = io.StringIO()
-        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(30)
-        print(f"== host profile ({args.mode}, batch 1, {args.new_tokens} tokens, {wall:.3f} s under cProfile), "
-              f"by {key}\n" + "\n".join(buf.getvalue().splitlines()[-36:]), flush=True)
+    engine_info.host_profile(lambda: llm.generate(prompt, params, use_tqdm=False),
+                             f"{args.mode}, batch 1, {args.new_tokens} tokens")
 
 
 def run_child(mode: str, args: argparse.Namespace, out: Path) -> dict:

@@ -208,11 +208,13 @@ compact_bench() {  # BUDGET_S: both sides of the protocol in one call (ours with
   local C="$BENCH --reps ${REPS:-1} --warmup 1 --decode-tokens 48 --gpu-mem 0.9"
   # PROFILE=B: also the per-op kernel profile of ours (one prefill call, decode per step at batch B);
   # IPROFILE=B: the same for in-tree (what its step spends per op, for the comparison table)
+  # HOSTPROF=B: also a cProfile of one decode batch of B requests on both sides (where a step's host time goes)
   $C --only ours --timeout $((budget * 2 / 5)) ${PROFILE:+--profile --profile-batch $PROFILE --profile-top 40} \
-    > "$OUT/bench_compact.out" 2>&1
+    ${HOSTPROF:+--host-profile $HOSTPROF} > "$OUT/bench_compact.out" 2>&1
   if [ "${ONLY:-}" != ours ]; then  # ONLY=ours: our side alone (no ratio: a check of our numbers)
     $C --only intree --timeout $((budget - (SECONDS - t0) - 25)) \
-      ${IPROFILE:+--profile --profile-batch $IPROFILE --profile-top 40} >> "$OUT/bench_compact.out" 2>&1
+      ${IPROFILE:+--profile --profile-batch $IPROFILE --profile-top 40} ${HOSTPROF:+--host-profile $HOSTPROF} \
+      >> "$OUT/bench_compact.out" 2>&1
     python3 benchmarks/bench_e2e.py --report /tmp/bench_e2e >> "$OUT/bench_compact.out" 2>&1
   fi
   tar czf "$OUT/e2e.tgz" --exclude 'model-*' -C /tmp bench_e2e 2>/dev/null
