@@ -270,6 +270,7 @@ def worker(a) -> None:
         b = a.host_profile
         host_profile(lambda: decode_steps(engine, prompts(b, a.decode_prompt_len), a.decode_tokens, f"h{b}"),
                      f"{a.impl}, decode batch {b}, {a.decode_tokens} tokens", top=40)
+        host_profile(lambda: timed(1, a.prompt_len, 1), f"{a.impl}, prefill 1x{a.prompt_len}", top=40)
     res["total_s"] = round(time.time() - t0, 1)
     _dump(out, res)
     print(f"[{a.impl}] done in {res['total_s']} s", flush=True)
@@ -330,6 +331,7 @@ def profile(a, timed, prefill_ns, decode_bs) -> dict:
     attr = "self_device_time_total" if cuda else "self_cpu_time_total"
 
     shapes: dict[str, tuple[float, int]] = {}
+    host: dict[str, tuple[float, int]] = {}  # host side of the prefill call: launches, syncs, torch ops' own CPU time
 
     def run(k: int, length: int, mt: int, by_shape: bool = False) -> dict[str, tuple[float, int]]:
         """Kernel rows of one call; `by_shape`: also the torch ops' own kernel time by op and input
@@ -345,18 +347,20 @@ def profile(a, timed, prefill_ns, decode_bs) -> dict:
                            for e in prof.key_averages(group_by_input_shape=True)
                            if e.device_type == torch.autograd.DeviceType.CPU and e.key.startswith("aten::")
                            and e.self_device_time_total > 0})
+            host.update({e.key: (e.self_cpu_time_total, e.count) for e in prof.key_averages()
+                         if e.device_type == torch.autograd.DeviceType.CPU and e.self_cpu_time_total > 0})
         # On CUDA only kernel rows: an aten op's self device time is its kernels' time again.
         return {e.key: (getattr(e, attr, 0), e.count) for e in prof.key_averages()
                 if not cuda or e.device_type == torch.autograd.DeviceType.CUDA}
 
-    def table(name: str, ops: dict[str, tuple[float, int]], unit: str) -> dict:
+    def table(name: str, ops: dict[str, tuple[float, int]], unit: str, sort: str = attr) -> dict:
         total = sum(us for us, _ in ops.values()) or 1
         rows = sorted(ops.items(), key=lambda kv: kv[1][0], reverse=True)[: a.profile_top]
-        print(f"\n[{a.impl}] profile {name}: top {a.profile_top} ops by {attr} (total {total / 1e3:.3f} ms{unit})",
+        print(f"\n[{a.impl}] profile {name}: top {a.profile_top} ops by {sort} (total {total / 1e3:.3f} ms{unit})",
               flush=True)
         for op, (us, calls) in rows:
             print(f"  {us / 1e3:9.3f} ms {100 * us / total:5.1f}%  x{calls:<8g} {op[:160]}", flush=True)
-        return {"total_us": total, "sort": attr, "unit": unit, "top": [
+        return {"total_us": total, "sort": sort, "unit": unit, "top": [
             {"op": op, "self_us": us, "pct": 100.0 * us / total, "calls": calls} for op, (us, calls) in rows]}
 
     n = prefill_ns[len(prefill_ns) // 2]
@@ -365,6 +369,8 @@ def profile(a, timed, prefill_ns, decode_bs) -> dict:
     out = {f"prefill_{k}x{p}": table(f"prefill {k}x{p}", run(k, p, 1, by_shape=True), "")}
     if shapes:
         out[f"prefill_{k}x{p}_torch_ops"] = table(f"prefill {k}x{p}, torch ops by input shapes", shapes, "")
+    if host:
+        out[f"prefill_{k}x{p}_host"] = table(f"prefill {k}x{p}, host", host, "", "self_cpu_time_total")
     b = a.profile_batch if a.profile_batch in decode_bs else max(decode_bs)
     D = a.decode_tokens
     one, many = run(b, a.decode_prompt_len, 1), run(b, a.decode_prompt_len, D)

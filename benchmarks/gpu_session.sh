@@ -209,7 +209,8 @@ compact_bench() {  # BUDGET_S: both sides of the protocol in one call (ours with
   # PROFILE=B: also the per-op kernel profile of ours (one prefill call, decode per step at batch B);
   # IPROFILE=B: the same for in-tree (what its step spends per op, for the comparison table)
   # HOSTPROF=B: also a cProfile of one decode batch of B requests on both sides (where a step's host time goes)
-  $C --only ours --timeout $((budget * 2 / 5)) ${PROFILE:+--profile --profile-batch $PROFILE --profile-top 40} \
+  local share=$((budget * 2 / 5)); [ "${ONLY:-}" = ours ] && share=$((budget - 20))
+  $C --only ours --timeout $share ${PROFILE:+--profile --profile-batch $PROFILE --profile-top 40} \
     ${HOSTPROF:+--host-profile $HOSTPROF} > "$OUT/bench_compact.out" 2>&1
   if [ "${ONLY:-}" != ours ]; then  # ONLY=ours: our side alone (no ratio: a check of our numbers)
     $C --only intree --timeout $((budget - (SECONDS - t0) - 25)) \
