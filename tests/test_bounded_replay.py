@@ -170,3 +170,17 @@ def test_policy():
     assert replay.resolve(v4, True, {replay.MODE_ENV: "compact"}) is None
     with pytest.raises(ValueError, match="below the sliding window 128"):
         replay.resolve(v41, True, {replay.KEEP_ENV: "100"})
+
+
+def test_exact_after_prefix_hit_rewound_past_window(ckpt_root):
+    """The release window (128; exact keep 382): a 512-token hit is rewound to 130, so the recomputed
+    tail writes past-cut window rows far below hit - W (vLLM's own rewind); those rows need real blocks
+    (`attention/caches.py::ReplayWindowManager`: vLLM's admission put them in the null block, and the hit
+    run's first-token logprobs moved by 6e-5, later tokens' by 2.7e-4)."""
+    model = tiny_checkpoint(ckpt_root, "v4.1-flash", 0)
+    prompt = prompt_ids(model, 600, 11)
+    with engine(model, max_model_len=2048, max_num_batched_tokens=256, enable_prefix_caching=True) as llm:
+        cold = _run(llm, [prompt])
+        hit = _run(llm, [prompt])
+    assert hit[0][2].num_cached_tokens >= 512, "no prefix hit"
+    _assert_same(hit, cold)

@@ -103,14 +103,15 @@ def test_dp2_bounded_replay_chunked_matches_one_process(ckpt_root, tmp_path):
                     env={"VLLM_CPU_OMP_THREADS_BIND": "0|1", "DEEPINFER_ENGRAM_DEVICE": "host"})
     try:
         server.wait_ready(timeout=600)
-        # 600-token prompts: logprobs to 1e-3 (measured 2.8e-4 with replay; replay off stays under 1e-4: open)
-        _same(_complete(server, prompts[0]), want[0], 1e-3)  # the other rank on dummy batches
+        # the repeat of prompts[0] below is a 512-token prefix hit rewound by the keep (382): its tail's
+        # past-cut window rows need real blocks (`ReplayWindowManager`; before it: 2.8e-4 off)
+        _same(_complete(server, prompts[0]), want[0], 1e-4)  # the other rank on dummy batches
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
             got = list(pool.map(lambda p: _complete(server, p), prompts))
     finally:
         server.stop()
     for g, w in zip(got, want, strict=True):
-        _same(g, w, 1e-3)
+        _same(g, w, 1e-4)
     assert "bounded replay: layers 6..9 run on each prompt's last 382/255/128/1 tokens" in server.log.read_text()
 
 
