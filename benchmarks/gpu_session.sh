@@ -205,7 +205,8 @@ ours_bench() {  # BUDGET_S
 compact_bench() {  # BUDGET_S: both sides of the protocol in one call (ours with 2/5 of it, then in-tree with the rest)
   local budget=$1 t0=$SECONDS
   vllm_env
-  local C="$BENCH --reps ${REPS:-1} --warmup 1 --decode-tokens 48 --gpu-mem 0.9"
+  # BENCH_ARGS: extra bench_e2e flags for both sides (an H100's 80 GB: e.g. --kv-gib 10 --gpu-mem 0.95)
+  local C="$BENCH --reps ${REPS:-1} --warmup 1 --decode-tokens 48 --gpu-mem 0.9 ${BENCH_ARGS:-}"
   # PROFILE=B: also the per-op kernel profile of ours (one prefill call, decode per step at batch B);
   # IPROFILE=B: the same for in-tree (what its step spends per op, for the comparison table)
   # HOSTPROF=B: also a cProfile of one decode batch of B requests on both sides (where a step's host time goes)

@@ -105,7 +105,7 @@ class PrefillLayout:
         req = np.repeat(np.array([s.req for s in spans], dtype=np.int64), n)
         offset = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)            # index within the span
         pos = np.repeat(first, n) + offset
-        return cls(spans, spans[0].start, spans[-1].end, _dev(req, device), _dev(pos, device), {"n": n, "pos": pos})
+        return cls(spans, spans[0].start, spans[-1].end, *_dev(req, pos, device=device), {"n": n, "pos": pos})
 
     @property
     def n_tokens(self) -> int:
@@ -124,7 +124,7 @@ class PrefillLayout:
             base = np.repeat(row_start - floor, n)
             lo = np.maximum(pos - w + 1, np.repeat(floor, n))
             dev = self.req.device
-            self._memo["w", w, floor_keep] = WindowLayout(*(_dev(a, dev) for a in (row_req, row_pos, base, lo)))
+            self._memo["w", w, floor_keep] = WindowLayout(*_dev(row_req, row_pos, base, lo, device=dev))
         return self._memo["w", w, floor_keep]
 
     def compressed(self, m: int) -> CompressedLayout:
@@ -137,8 +137,8 @@ class PrefillLayout:
             row_id = np.arange(int(rows.sum())) - np.repeat(row_start, rows)
             dev = self.req.device
             self._memo["c", m] = CompressedLayout(
-                _dev(row_req, dev), _dev(row_id, dev), _dev(np.repeat(row_start, n), dev),
-                _dev((pos + 1) // m, dev), _dev(np.repeat(rows, n), dev), int(rows.max(initial=0)))
+                *_dev(row_req, row_id, np.repeat(row_start, n), (pos + 1) // m, np.repeat(rows, n), device=dev),
+                int(rows.max(initial=0)))
         return self._memo["c", m]
 
     def closed(self, m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,13 +147,23 @@ class PrefillLayout:
             groups = [s.closed_groups(m) for s in self.spans]
             req = np.repeat(np.array([s.req for s in self.spans], dtype=np.int64), [len(g) for g in groups])
             g = np.concatenate([np.arange(r.start, r.stop, dtype=np.int64) for r in groups] or [np.zeros(0, np.int64)])
-            self._memo["g", m] = (_dev(req, self.req.device), _dev(g, self.req.device))
+            self._memo["g", m] = tuple(_dev(req, g, device=self.req.device))
         return self._memo["g", m]
 
 
-def _dev(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Host int64 array -> device tensor (one copy)."""
-    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
+def _dev(*arrays: np.ndarray, device: torch.device) -> list[torch.Tensor]:
+    """Host int arrays -> int64 device tensors, in one copy that does not wait for the device.
+
+    A plain `.to(cuda)` of pageable memory synchronises the stream (PyTorch's copy then calls
+    cudaStreamSynchronize), so every layout built inside a layer drained the GPU's queue and the
+    host could never run ahead of the kernels of an eager prefill. Here the arrays go through one
+    pinned buffer (PyTorch's caching host allocator keeps it until the copy has run) and a
+    non-blocking copy; the results are views of one device buffer."""
+    sizes = [a.size for a in arrays]
+    cuda = device.type == "cuda"
+    host = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=cuda)
+    np.concatenate([np.ravel(a) for a in arrays], out=host.numpy(), casting="unsafe")
+    return list((host.to(device, non_blocking=True) if cuda else host.to(device)).split(sizes))
 
 
 @dataclasses.dataclass
@@ -254,7 +264,7 @@ class StepBatch:
                 parts.append(np.arange(s.start + skip, s.end))
                 spans.append(RequestSpan(s.req, t, t + n, s.first_pos + skip, s.prompt_len))
                 t += n
-        rows = _dev(np.concatenate(parts), self.token_ids.device)  # host-built: one copy per layer
+        rows, = _dev(np.concatenate(parts), device=self.token_ids.device)  # host-built: one copy per layer
         sub = StepBatch(self.token_ids[rows], self.positions[rows], spans, self.attn_metadata, self.n_dec, self.req,
                         self.live, {l: v[rows] for l, v in self.topk.items()},
                         {l: v[rows] for l, v in self.candidates.items()}, replay_keep=self.replay_keep)
