@@ -1,6 +1,7 @@
 """Microbenchmarks of kernels_nvidia against the H200 ceilings measured in the same run.
 
-    python3 benchmarks/bench_kernels.py [--json OUT.json] [--quick] [--only-fp8-linears | --moe-only | --topk-only]
+    python3 benchmarks/bench_kernels.py [--json OUT.json] [--quick]
+        [--only-fp8-linears | --moe-only | --topk-only | --router-only]
 
 Ceilings first: a large device-to-device copy (bytes read + written) and an 8192^3 bf16 GEMM on random
 data. Then each kernel at V4.1-Flash full-width shapes (H=64, d=512, index heads 64 x 128, hc=4,
@@ -26,6 +27,7 @@ from kernels_nvidia import attention as kattn  # noqa: E402
 from kernels_nvidia import gemm as kgemm  # noqa: E402
 from kernels_nvidia import indexer as kidx  # noqa: E402
 from kernels_nvidia import ops as kn  # noqa: E402
+from kernels_nvidia import router as krouter  # noqa: E402
 from kernels_nvidia import topk as ktopk  # noqa: E402
 from vllm_deepinfer.checkpoint.formats import dequant_fp8_block, dequant_mxfp4, e8m0_decode  # noqa: E402
 from vllm_deepinfer.ops import reference as ref  # noqa: E402
@@ -185,6 +187,42 @@ def bench_topk(copy_gbs, gemm_tf):
                     ktopk.BLOCK, ktopk.WAVES, ktopk.SORT_WARPS = keep
 
 
+def bench_router(copy_gbs, gemm_tf):
+    """MoE router (kernels_nvidia.sqrtsoftplus_route: one program per token) at the release shape E=384, K=6 with
+    a shared bias, vs the oracle (softplus, sqrt, add, stable sort, gather, sum, scale: ~10 kernels). GB/s counts
+    the logits, the bias, the ids and the weights."""
+    e, k = 384, 6
+    bias = torch.randn(e, device=DEV) * 0.1
+    for t in (1, 64, 256, 4096):
+        logits = torch.randn(t, e, device=DEV) * 2
+        nbytes = (t + 1) * e * 4 + t * k * 12
+        ms_k = bench(lambda: kn.sqrtsoftplus_route(logits, bias, k, 2.5))
+        ms_r = bench(lambda: ref.sqrtsoftplus_route(logits, bias, k, 2.5))
+        record(f"sqrtsoftplus_route T={t} E={e} K={k}", ms_k, ms_r, nbytes, 0, copy_gbs, gemm_tf)
+        if t in (64, 4096):  # warps per row program, for the record
+            keep = krouter.WARPS
+            for warps in (1, 2, 4, 8):
+                krouter.WARPS = warps
+                ms_k = bench(lambda: kn.sqrtsoftplus_route(logits, bias, k, 2.5))
+                record(f"  warps={warps}", ms_k, None, nbytes, 0, copy_gbs, gemm_tf)
+            krouter.WARPS = keep
+
+
+def bench_engram(copy_gbs, gemm_tf):
+    """Engram gate + residual add (kernels_nvidia.engram_inject: one program per token and stream) at V4.1 widths (hc 4 x 5120,
+    keys and value as views of one [T, 5, 5120] projection) vs the oracle (~20 kernels). GB/s counts streams
+    and keys read, value read, streams written (bf16)."""
+    h, d = 4, 5120
+    qw, kw = torch.rand(h, d, device=DEV) + 0.5, torch.rand(h, d, device=DEV) + 0.5
+    for t in (1, 64, 256, 4096):
+        streams = torch.randn(t, h, d, device=DEV).bfloat16()
+        kv = torch.randn(t, h + 1, d, device=DEV).bfloat16()
+        nbytes = t * (3 * h + 1) * d * 2
+        ms_k = bench(lambda: kn.engram_inject(streams, kv[:, :h], kv[:, h], qw, kw, 1e-6))
+        ms_r = bench(lambda: ref.engram_inject(streams, kv[:, :h], kv[:, h], qw, kw, 1e-6))
+        record(f"engram_inject T={t} hc={h} D={d}", ms_k, ms_r, nbytes, 0, copy_gbs, gemm_tf)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
@@ -193,6 +231,8 @@ def main():
     ap.add_argument("--only-fp8-linears", action="store_true", help="run the FP8 block GEMM section only")
     ap.add_argument("--moe-only", action="store_true", help="ceilings and the routed-experts rows only")
     ap.add_argument("--topk-only", action="store_true", help="ceilings and the decode top-k rows only")
+    ap.add_argument("--router-only", action="store_true",
+                    help="ceilings and the MoE router and Engram injection rows only")
     args = ap.parse_args()
     global GRAPH
     GRAPH = not args.eager
@@ -203,6 +243,10 @@ def main():
     print(f"CEILINGS copy {copy_gbs:.0f} GB/s (read+write), bf16 GEMM 8192^3 {gemm_tf:.0f} TFLOP/s", flush=True)
     if args.topk_only:
         bench_topk(copy_gbs, gemm_tf)
+        return dump(args.json, copy_gbs, gemm_tf)
+    if args.router_only:
+        bench_router(copy_gbs, gemm_tf)
+        bench_engram(copy_gbs, gemm_tf)
         return dump(args.json, copy_gbs, gemm_tf)
     if not args.moe_only:
         bench_fp8_linears(copy_gbs, gemm_tf, args.quick)
@@ -281,6 +325,8 @@ def main():
         kidx.HEADS_AS_ROWS = True
         record(f"  indexer_scores token-tile kernel T={t}", ms_k, None, nbytes, 2 * t * 64 * n * 128, copy_gbs, gemm_tf)
     bench_topk(copy_gbs, gemm_tf)  # the packed torch.topk rows too, beside the radix select
+    bench_router(copy_gbs, gemm_tf)
+    bench_engram(copy_gbs, gemm_tf)
 
     # --- paged cache slots (decode addressing: window rows, selected rows), kernel vs the oracle's torch ops
     bt = torch.randint(1, 60000, (256, 64), device=DEV, dtype=torch.int32)

@@ -8,6 +8,7 @@ from kernels_nvidia.attention import (  # noqa: F401
     sparse_attention_paged,
 )
 from kernels_nvidia.compressor import softmax_pool  # noqa: F401
+from kernels_nvidia.engram import engram_inject  # noqa: F401
 from kernels_nvidia.gemm import linear_fp32_out, linear_fp8_block  # noqa: F401
 from kernels_nvidia.indexer import (  # noqa: F401
     indexer_scores,
@@ -18,6 +19,7 @@ from kernels_nvidia.indexer import (  # noqa: F401
 from kernels_nvidia.mhc import hc_coefficients, hc_collapse, hc_expand  # noqa: F401
 from kernels_nvidia.moe import routed_experts_packed  # noqa: F401
 from kernels_nvidia.paging import range_slots, row_slots  # noqa: F401
+from kernels_nvidia.router import sqrtsoftplus_route  # noqa: F401
 from kernels_nvidia.rowwise import apply_rope, rms_norm, swiglu  # noqa: F401
 from kernels_nvidia.topk import topk_rows  # noqa: F401
 
@@ -27,4 +29,5 @@ from kernels_nvidia.topk import topk_rows  # noqa: F401
 OPS = ("sparse_attention", "sparse_attention_indexed", "sparse_attention_paged", "softmax_pool", "indexer_scores",
        "indexer_scores_paged", "indexer_scores_ragged",
        "hc_coefficients", "hc_collapse", "hc_expand", "linear_fp32_out", "linear_fp8_block",
-       "routed_experts_packed", "rms_norm", "apply_rope", "row_slots", "range_slots", "topk_rows")
+       "routed_experts_packed", "rms_norm", "apply_rope", "row_slots", "range_slots", "topk_rows",
+       "sqrtsoftplus_route", "engram_inject")

@@ -3,7 +3,8 @@
 The interpreter tests (`TRITON_INTERPRET=1 pytest tests/gpu`) check the kernels' numbers but not that the compiler
 accepts them (the interpreter is laxer about types); Triton's NVIDIA backend, bundled with the wheel, compiles to a
 cubin here. Covered: the kernels added without a GPU run behind them (paged slots, the mHC finalize with a
-non-power-of-two partial width, the radix-select top-k, the clamped SwiGLU), every constexpr variant the wrappers launch.
+non-power-of-two partial width, the radix-select top-k, the clamped SwiGLU, the MoE router), every constexpr variant
+the wrappers launch.
 """
 
 from __future__ import annotations
@@ -23,16 +24,17 @@ except ImportError:  # pragma: no cover - an older Triton without this API
 SM90 = GPUTarget("cuda", 90, 32)
 
 
-def _compile(fn, signature: dict, constexprs: dict, num_warps: int = 4) -> None:
+def _compile(fn, signature: dict, constexprs: dict, num_warps: int = 4, **options):
     sig = dict(signature, **dict.fromkeys(constexprs, "constexpr"))
     try:
         out = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=SM90,
-                             options={"num_warps": num_warps})
+                             options={"num_warps": num_warps, **options})
     except RuntimeError as e:  # no NVIDIA backend / ptxas in this Triton build
         if "backend" in str(e).lower() or "ptxas" in str(e).lower():
             pytest.skip(f"no NVIDIA backend: {e}")
         raise
     assert "cubin" in out.asm
+    return out
 
 
 def test_paged_slots_kernel_compiles():
@@ -80,3 +82,37 @@ def test_swiglu_compiles():
 
     sig = {"A": "*bf16", "B": "*bf16", "Y": "*bf16", "N": "i32", "sa": "i32", "sb": "i32", "sy": "i32", "limit": "fp32"}
     _compile(rowwise._swiglu_kernel, sig, dict(BLOCK=1024))
+
+
+@pytest.mark.parametrize("e,k", [(384, 6), (8, 2), (16, 6), (512, 8), (256, 1)])
+def test_router_kernel_compiles(e, k):
+    """The MoE router at the release shape (E=384, K=6), the tiny configs (E=8, K=2) and test shapes: shared,
+    per-token and no bias, forced ids of either int type, with the wrapper's launch options. The libdevice
+    variant must not flush denormals (enable_reflect_ftz off) and must use IEEE sqrt / division."""
+    from kernels_nvidia import router
+
+    block = max(16, triton.next_power_of_2(e))
+    sig = {"L": "*fp32", "B": "*fp32", "F": "*i64", "IDS": "*i64", "W": "*fp32", "E": "i32", "s_l": "i32",
+           "s_b": "i32", "s_f": "i32", "scale": "fp32"}
+    opts = dict(enable_reflect_ftz=False, enable_fp_fusion=False)
+    base = dict(K=k, KP=max(2, triton.next_power_of_2(k)), BLOCK=block, EXACT=True)
+    for has_bias, forced, f_ty in ((True, False, "*i64"), (False, False, "*i64"), (False, True, "*i64"),
+                                   (False, True, "*i32")):
+        out = _compile(router._route_kernel, dict(sig, F=f_ty), dict(base, HAS_BIAS=has_bias, FORCED=forced),
+                       num_warps=router._warps(block, 1), **opts)
+        ptx = out.asm["ptx"]
+        assert "sqrt.rn.f32" in ptx and "div.rn.f32" in ptx and "sqrt.approx" not in ptx
+    _compile(router._route_kernel, sig, dict(base, HAS_BIAS=True, FORCED=False), num_warps=router._warps(block, 4096),
+             **opts)  # prefill: fewer warps
+    _compile(router._route_kernel, sig, dict(base, HAS_BIAS=True, FORCED=False, EXACT=False),
+             num_warps=router._warps(block, 1), **opts)  # the interpreter's formula (compiles too)
+
+
+@pytest.mark.parametrize("mute", [False, True])
+def test_engram_inject_compiles(mute):
+    from kernels_nvidia import engram
+
+    sig = {"X": "*bf16", "K": "*bf16", "V": "*bf16", "QW": "*fp32", "KW": "*fp32", "M": "*u8", "Y": "*bf16",
+           "D": "i32", "sx_t": "i32", "sx_h": "i32", "sk_t": "i32", "sk_h": "i32", "sv_t": "i32", "sy_t": "i32",
+           "sy_h": "i32", "eps": "fp32", "sqrt_d": "fp32"}
+    _compile(engram._engram_inject_kernel, sig, dict(HAS_MUTE=mute, BLOCK=engram.CHUNK))

@@ -576,3 +576,168 @@ def test_swiglu(device, dtype, t, inter):
     err = _rel(out, want) if a.numel() else 0.0
     print(f"swiglu {t}x{inter} {dtype}: rel err {err:.2e}")
     assert err < BOUND[dtype]
+
+
+def _route_check(logits, bias, k, scale, forced=None, exact_ids=True) -> float:
+    """kernels_nvidia.sqrtsoftplus_route against the CPU oracle (bias None: a zero bias for the oracle, which needs
+    one): ids equal (exact_ids; else rows that differ must hold near-equal biased scores, <= 1e-6 relative, in at
+    most 1% of rows: continuous scores whose last bits differ between libraries), weights within 1e-6 relative,
+    NaN where the oracle's are. On CUDA also against the oracle on the GPU (torch's CUDA softplus, sqrt and sum):
+    ids and weights bitwise. Returns the largest relative weight difference to the CPU oracle."""
+    from kernels_nvidia import ops as kn
+    t, e = logits.shape
+    _poison(logits.device.type)
+    ids, w = kn.sqrtsoftplus_route(logits, bias, k, scale, forced)
+    assert ids.shape == (t, k) and ids.dtype == torch.int64 and w.shape == (t, k) and w.dtype == torch.float32
+    cpu_bias = torch.zeros(e) if bias is None else bias.cpu()
+    # the oracle in batch-invariant mode: torch's CPU softplus rounds the vectorized loop and the scalar tail
+    # differently, so equal logits would not give equal scores (ties) in the default mode
+    invariant, ref.BATCH_INVARIANT = ref.BATCH_INVARIANT, True
+    try:
+        want_ids, want_w = ref.sqrtsoftplus_route(logits.cpu(), cpu_bias, k, scale,
+                                                  None if forced is None else forced.cpu())
+        biased = torch.sqrt(ref.elementwise(torch.nn.functional.softplus, logits.cpu().float())) + cpu_bias
+    finally:
+        ref.BATCH_INVARIANT = invariant
+    got_ids, got_w = ids.cpu(), w.cpu()
+    if exact_ids or forced is not None:
+        assert torch.equal(got_ids, want_ids)
+    else:
+        bad = (got_ids != want_ids).any(-1)
+        assert int(bad.sum()) <= max(1, t // 100), f"{int(bad.sum())} of {t} rows select other ids"
+        assert torch.allclose(biased.gather(-1, got_ids[bad]), biased.gather(-1, want_ids[bad]), rtol=1e-6, atol=0)
+        got_w, want_w = got_w[~bad], want_w[~bad]
+    nan = want_w.isnan()
+    assert torch.equal(got_w.isnan(), nan)
+    err = float(((got_w - want_w).abs() / want_w.abs().clamp_min(1e-30))[~nan].max()) if (~nan).any() else 0.0
+    assert err <= 1e-6, err
+    if logits.device.type == "cuda":
+        # the oracle on the GPU (same library functions: its scores are the kernel's bitwise): the same ids; the
+        # weights bitwise torch's evaluation of the kernel's expression (the sum in id order), and within 1e-6 of
+        # the oracle's (its sum order depends on T)
+        g_bias = torch.zeros(e, device=logits.device) if bias is None else bias
+        g_ids, g_w = ref.sqrtsoftplus_route(logits, g_bias, k, scale, forced)
+        assert torch.equal(ids, g_ids)
+        picked = torch.sqrt(torch.nn.functional.softplus(logits.float())).gather(-1, ids)
+        total = picked[:, :1].clone()
+        for i in range(1, k):
+            total = total + picked[:, i:i + 1]
+        same_w = scale * picked / (total + 1e-20)
+        nan = same_w.isnan()
+        assert torch.equal(w.isnan(), nan) and torch.equal(w[~nan], same_w[~nan])
+        assert torch.equal(g_w.isnan(), nan)
+        if (~nan).any():
+            assert float(((w - g_w).abs() / g_w.abs().clamp_min(1e-30))[~nan].max()) <= 1e-6
+    return err
+
+
+@pytest.mark.parametrize("e,k", [(384, 6), (8, 2), (16, 6), (8, 8), (100, 7), (9, 1), (512, 8)])
+def test_sqrtsoftplus_route_ties(device, e, k):
+    """Logits and biases on coarse grids (exact ties of score + bias, scores well apart otherwise): rows of one
+    value, pairs of equal experts, a bias that makes ties, per-token ([T, E]) and shared ([E]) bias and no bias,
+    a strided logits view, T = 1 and T = 0."""
+    _seed()
+    t = 12 if _small(device) else 300
+    wide = torch.randint(-24, 25, (t, e + 3), device=device).float() / 8      # 1/8 grid in [-3, 3]
+    logits = wide[:, :e]                                                      # strided rows
+    logits[0] = 0.0                                                           # every expert ties
+    logits[1, 1::2] = logits[1, ::2][: e // 2]                                # pairs of equal experts
+    logits[2, :] = 1.0
+    logits[2, e // 2:] = 0.5
+    bias = torch.randint(-3, 4, (e,), device=device).float() / 10              # ties of score + bias
+    bias_t = torch.randint(-3, 4, (t, e), device=device).float() / 10
+    bias_t[3] = 0.0
+    logits[4] = 0.0
+    bias_t[4, ::3] = 0.2                                                      # ties made by the bias alone
+    errs = [_route_check(logits, b, k, 2.5) for b in (bias, bias_t, None)]
+    errs.append(_route_check(logits[5:6], bias_t[5:6], k, 1.0))             # T = 1
+    errs.append(_route_check(logits[:0], bias, k, 1.0))                       # T = 0
+    print(f"sqrtsoftplus_route ties E={e} K={k}: max rel weight diff {max(errs):.2e}")
+
+
+def test_sqrtsoftplus_route_specials(device):
+    """-inf logits (score 0: ties with underflowing logits), logits past the softplus threshold 20 and huge ones,
+    +inf, NaN of both signs in the logits and inf - inf in score + bias (NaN: picked first, lowest id first, as the
+    oracle's sort; weights NaN), -inf and +inf bias entries, a row with fewer than K nonzero scores."""
+    _seed()
+    e, k = 40, 6
+    logits = torch.randint(-16, 17, (9, e), device=device).float() / 4
+    logits[0, :] = float("-inf")
+    logits[0, [3, 7]] = -200.0                                                 # exp underflows: score 0, ties -inf
+    logits[1, :] = -104.0                                                      # denormal softplus
+    logits[1, 5] = -87.0
+    logits[2, [1, 2, 30]] = torch.tensor([20.0, 21.0, 1e30], device=device)    # at / past the threshold
+    logits[3, 9] = float("inf")
+    logits[4, 11], logits[4, 3] = float("nan"), -torch.tensor(float("nan"))
+    logits[5, 20] = float("inf")                                               # + bias -inf below: NaN
+    logits[6, :] = -1000.0
+    logits[6, [2, 33]] = 1.0                                                   # two nonzero scores, K = 6
+    bias = torch.randint(-3, 4, (e,), device=device).float() / 10
+    bias[[0, 20]] = float("-inf")
+    bias[25] = float("inf")
+    errs = [_route_check(logits, b, k, 1.5) for b in (bias, None)]
+    print(f"sqrtsoftplus_route specials: max rel weight diff {max(errs):.2e}")
+
+
+@pytest.mark.parametrize("e,k", [(384, 6), (16, 2), (8, 1)])
+def test_sqrtsoftplus_route_random(device, e, k):
+    """Continuous logits (the model's case) with a continuous per-token bias, and forced ids (hash layers:
+    int32 and int64, a strided view); on CUDA the decode and prefill sizes. Row results do not depend on the
+    batch (bitwise)."""
+    _seed()
+    from kernels_nvidia import ops as kn
+    t = 16 if _small(device) else 4096
+    logits = torch.randn(t, e, device=device) * 2
+    bias = torch.randn(t, e, device=device) * 0.1
+    errs = [_route_check(logits, bias, k, 2.5, exact_ids=False), _route_check(logits, bias[0], k, 2.5, exact_ids=False)]
+    forced = torch.stack([torch.randperm(e, device=device)[:k] for _ in range(t)])
+    errs.append(_route_check(logits, None, k, 1.5, forced))
+    errs.append(_route_check(logits, bias, k, 1.5, forced.int()))
+    wide = torch.cat((forced, forced), dim=1)
+    errs.append(_route_check(logits, None, k, 1.5, wide[:, k:]))
+    print(f"sqrtsoftplus_route random E={e} K={k}: max rel weight diff {max(errs):.2e}")
+    ids, w = kn.sqrtsoftplus_route(logits, bias, k, 2.5)
+    one = kn.sqrtsoftplus_route(logits[3:4].clone(), bias[3:4].clone(), k, 2.5)
+    assert torch.equal(ids[3:4], one[0]) and torch.equal(w[3:4], one[1])
+
+
+def test_sqrtsoftplus_route_declines(device):
+    """Shapes past the kernel's bounds raise NotImplementedError (the dispatcher then runs the oracle); on CUDA
+    `vllm_deepinfer.ops.sqrtsoftplus_route` takes the kernel and falls back for them."""
+    from kernels_nvidia import ops as kn
+    from kernels_nvidia import router
+    logits = torch.randn(2, 8, device=device)
+    for e, k in ((8, 9), (router.MAX_E + 1, 2), (64, router.MAX_K + 1)):
+        with pytest.raises(NotImplementedError):
+            kn.sqrtsoftplus_route(torch.randn(2, e, device=device), None, k, 1.0)
+    if device != "cuda":
+        return
+    import vllm_deepinfer.ops as ops
+    bias = torch.randn(8, device=device)
+    got, want = ops.sqrtsoftplus_route(logits, bias, 3, 1.0), kn.sqrtsoftplus_route(logits, bias, 3, 1.0)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    big = torch.randn(3, router.MAX_E + 8, device=device)
+    got = ops.sqrtsoftplus_route(big, torch.zeros(big.shape[1], device=device), 6, 1.0)
+    assert torch.equal(got[0], ref.sqrtsoftplus_route(big, torch.zeros(big.shape[1], device=device), 6, 1.0)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,h,d,mute", [(5, 4, 320, False), (3, 4, 1100, True), (0, 4, 64, False)])
+def test_engram_inject(device, dtype, t, h, d, mute):
+    """Engram gate + residual add, keys and value as strided views of one [T, h + 1, D] projection.
+    The interpreter casts to bf16 by truncation (torch rounds to nearest), hence the bf16 bound."""
+    from kernels_nvidia import ops as kn
+    _seed()
+    streams = (torch.randn(t, h, d, device=device) * 3).to(dtype)
+    kv = torch.randn(t, h + 1, d, device=device).to(dtype)
+    qw, kw = torch.rand(h, d, device=device) + 0.5, torch.rand(h, d, device=device) + 0.5
+    m = (torch.arange(t, device=device) % 2 == 0) if mute else None
+    out = kn.engram_inject(streams, kv[:, :h], kv[:, h], qw, kw, 1e-6, m)
+    want = ref.engram_inject(*(x.cpu() for x in (streams, kv[:, :h], kv[:, h], qw, kw)), 1e-6,
+                             None if m is None else m.cpu())
+    assert out.dtype == dtype and out.shape == streams.shape
+    err = _rel(out, want) if out.numel() else 0.0
+    print(f"engram_inject {t}x{h}x{d} {dtype}: rel err {err:.2e}")
+    assert err < BOUND[dtype]
+    if mute and t:  # a muted token's streams pass through unchanged
+        assert torch.equal(out[::2].cpu(), streams[::2].cpu())

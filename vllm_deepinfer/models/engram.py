@@ -161,16 +161,11 @@ class Engram(nn.Module):
         else:
             emb = self.embed(self.hash_rows(batch)).flatten(1)                # [T, cols * d]
         kv = self.wkv(emb).view(-1, self.hc + 1, self.hidden)
-        keys, value = kv[:, : self.hc], kv[:, self.hc]
-        xn = ops.rms_norm(streams, None, self.eps).float()
-        kn = ops.rms_norm(keys, None, self.eps).float()
-        dot = (xn * kn * (self.q_weight.float() * self.k_weight.float())).sum(-1) / self.hidden ** 0.5
-        gate = ops.elementwise(torch.sigmoid, dot.sign() * dot.abs().clamp(min=1e-6).sqrt())   # [T, h]
-        if self.image_token_id >= 0:
+        mute = None
+        if self.image_token_id >= 0:  # image tokens get no Engram value
             ids = batch.token_ids
-            is_image = (ids >= self.image_token_id) & (ids < self.image_token_id + IMAGE_TOKEN_SPAN)
-            gate = gate.masked_fill(is_image.unsqueeze(1), 0.0)
-        return (streams.float() + gate.unsqueeze(-1) * value.float().unsqueeze(1)).to(streams.dtype)
+            mute = (ids >= self.image_token_id) & (ids < self.image_token_id + IMAGE_TOKEN_SPAN)
+        return ops.engram_inject(streams, kv[:, : self.hc], kv[:, self.hc], self.q_weight, self.k_weight, self.eps, mute)
 
     def hash_rows(self, batch: StepBatch) -> torch.Tensor:
         """Table rows of every token's n-grams, [n_dec + P, cols] (one-token requests first, then the prefill tokens)."""

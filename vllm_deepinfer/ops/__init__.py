@@ -26,7 +26,6 @@ from vllm_deepinfer.ops.reference import (  # noqa: F401  (reference-only ops)
     hc_head_weights,
     linear,
     rope_cos_sin,
-    sqrtsoftplus_route,
 )
 
 KERNELS = os.environ.get("VLLM_DEEPINFER_KERNELS", "auto").lower()
@@ -80,6 +79,14 @@ def _dispatch(name: str, x: torch.Tensor, *args, fallback=None, **kwargs):
 
 def swiglu(a, b, limit):
     return _dispatch("swiglu", a, a, b, limit)
+
+
+def sqrtsoftplus_route(logits, bias, topk, scale, forced=None):
+    return _dispatch("sqrtsoftplus_route", logits, logits, bias, topk, scale, forced)
+
+
+def engram_inject(streams, keys, value, q_weight, k_weight, eps, mute=None):
+    return _dispatch("engram_inject", streams, streams, keys, value, q_weight, k_weight, eps, mute)
 
 
 def swiglu_clamped(x, w1, w3, w2, limit, act=None):
@@ -284,6 +291,7 @@ def packed_storage(env: str, device_type: str) -> bool:
 for _f in (rms_norm, apply_rope, sparse_attention, sparse_attention_indexed, sparse_attention_gathered,
            sparse_attention_paged, row_slots, range_slots, softmax_pool, indexer_scores, indexer_scores_gathered, indexer_scores_paged,
            indexer_scores_ragged, topk_rows, linear_fp32_out, linear_fp8_block,
-           hc_coefficients, hc_collapse, hc_expand, routed_experts, routed_experts_packed):
+           hc_coefficients, hc_collapse, hc_expand, routed_experts, routed_experts_packed, sqrtsoftplus_route,
+           engram_inject):
     _f.__doc__ = getattr(reference, _f.__name__).__doc__
 del _f

@@ -70,6 +70,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return y.to(x.dtype)
 
 
+def engram_inject(streams: torch.Tensor, keys: torch.Tensor, value: torch.Tensor, q_weight: torch.Tensor,
+                  k_weight: torch.Tensor, eps: float, mute: torch.Tensor | None = None) -> torch.Tensor:
+    """Gated Engram value added to the streams (model-spec §3.9). streams, keys: [T, h, D]; value: [T, D];
+    q_weight, k_weight: [h, D]; mute: [T] bool (tokens whose gate is 0: V4.1 image tokens) -> [T, h, D]:
+    streams + sigmoid(sign(dot) sqrt(|dot|)) value, dot = <rms_norm(x), rms_norm(k)>_(q_weight k_weight) / sqrt(D)."""
+    xn = rms_norm(streams, None, eps).float()
+    kn = rms_norm(keys, None, eps).float()
+    dot = (xn * kn * (q_weight.float() * k_weight.float())).sum(-1) / streams.shape[-1] ** 0.5
+    gate = elementwise(torch.sigmoid, dot.sign() * dot.abs().clamp(min=1e-6).sqrt())   # [T, h]
+    if mute is not None:
+        gate = gate.masked_fill(mute.unsqueeze(1), 0.0)
+    return (streams.float() + gate.unsqueeze(-1) * value.float().unsqueeze(1)).to(streams.dtype)
+
+
 # ----------------------------------------------------------------------------- mHC
 def hc_coefficients(
     streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
