@@ -1,5 +1,5 @@
 """Speculative decoding on a CUDA GPU (issue 11): greedy tokens with speculation equal those without, with CUDA
-graphs on (verification steps replay full graphs at 1 + k tokens per request).
+graphs on (verification steps replay full graphs, trimmed ones included).
 
 On the memorised-head tiny-gpu checkpoints that `benchmarks/gpu_session.sh` builds (`.gpuwork/ckpt-v41m`,
 `.gpuwork/ckpt-v4m`; `DEEPINFER_GPU_WORK` names another folder): their greedy continuations of the fidelity
@@ -37,9 +37,10 @@ def _ckpt(name: str) -> Path:
     return path
 
 
-def _generate(ckpt: Path, spec: dict | None = None, **overrides) -> tuple[list[list[int]], str, int, int]:
+def _generate(ckpt: Path, spec: dict | None = None, **overrides) -> tuple[list[list[int]], str, int, int, int]:
     """Greedy 64 tokens for the 37/300/1000-token fidelity prompts in one batch -> (tokens, the engine's
-    cudagraph mode, draft tokens vLLM counted, draft-step graphs DSpark's proposer captured)."""
+    cudagraph mode, draft tokens vLLM counted, draft-step graphs DSpark's proposer captured, trimmed
+    verification steps that replayed a full graph)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -56,7 +57,8 @@ def _generate(ckpt: Path, spec: dict | None = None, **overrides) -> tuple[list[l
         drafter = getattr(model_runner(llm), "drafter", None)
         fixed = getattr(drafter, "fixed_steps", None)
         graphs = 0 if fixed is None else len(fixed.graphs)
-    return [list(o.outputs[0].token_ids) for o in outs], mode, drafts, graphs
+        trimmed = getattr(model_runner(llm), "deepinfer_trimmed_graph_steps", 0)
+    return [list(o.outputs[0].token_ids) for o in outs], mode, drafts, graphs, trimmed
 
 
 _PLAIN: dict[str, list[list[int]]] = {}
@@ -73,7 +75,7 @@ def _plain(ckpt: Path) -> list[list[int]]:
 def test_greedy_speculation_equals_none_with_cuda_graphs(name, method):
     ckpt = _ckpt(name)
     ref = _plain(ckpt)
-    got, mode, drafts, graphs = _generate(ckpt, {"method": method, "num_speculative_tokens": K})
+    got, mode, drafts, graphs, _ = _generate(ckpt, {"method": method, "num_speculative_tokens": K})
     print(f"\n{name} {method} K={K}: cudagraph_mode {mode}, {drafts} draft tokens, {graphs} draft-step graphs")
     assert "NONE" not in mode, f"speculation turned CUDA graphs off ({mode})"
     assert drafts > 0
@@ -82,12 +84,15 @@ def test_greedy_speculation_equals_none_with_cuda_graphs(name, method):
     assert got == ref
 
 
-def test_mtp_varlen_equals_none(monkeypatch):
-    """Varlen on the V1 runner (synchronous scheduling): trimmed verification steps run the per-token path
-    eagerly, full ones replay graphs; the tokens stay those of plain decode."""
-    ckpt = _ckpt("ckpt-v4m")
+@pytest.mark.parametrize("name,method", [("ckpt-v4m", "mtp"), ("ckpt-v41m", "dspark")])
+def test_varlen_equals_none(monkeypatch, name, method):
+    """Varlen on the V1 runner (synchronous scheduling): verification steps whose drafts were trimmed replay full
+    graphs too (`patches/varlen_graphs.py`: plain-decode keys, smallest key that holds the step); the tokens stay
+    those of plain decode."""
+    ckpt = _ckpt(name)
     ref = _plain(ckpt)
     monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
-    got, mode, _, _ = _generate(ckpt, {"method": "mtp", "num_speculative_tokens": K}, async_scheduling=False)
-    print(f"\nckpt-v4m mtp varlen K={K}: cudagraph_mode {mode}")
+    got, mode, _, _, trimmed = _generate(ckpt, {"method": method, "num_speculative_tokens": K}, async_scheduling=False)
+    print(f"\n{name} {method} varlen K={K}: cudagraph_mode {mode}, {trimmed} trimmed steps on full graphs")
+    assert trimmed > 0, "no trimmed verification step replayed a graph"
     assert got == ref

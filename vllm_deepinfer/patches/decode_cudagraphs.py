@@ -11,7 +11,7 @@ verification of up to k drafts); prefill and mixed steps take a per-request path
 synchronisation, which must run eagerly. FULL_DECODE_ONLY is exactly that: full graphs for uniform
 steps of vLLM's `uniform_decode_query_len` (1 + num_speculative_tokens), eager otherwise (no
 descriptor for mixed batches). On the V1 runner a verification step whose drafts were trimmed
-(varlen) is not uniform and runs the per-token path eagerly.
+(varlen) is not uniform; `patches/varlen_graphs.py` sends it to a captured full graph.
 
 Hook: `MODELS_CONFIG_MAP` (`vllm/model_executor/models/config.py`), called by
 `VllmConfig.try_verify_and_update_config` before the compilation defaults are filled in. Our entry

@@ -48,8 +48,9 @@ def varlen_requested(speculative_config) -> bool:
 def policy_for(vllm_config, kind: str) -> DraftLengthPolicy:
     """The policy of a drafter built in `vllm_config` (K = num_speculative_tokens; varlen from
     DEEPINFER_ENABLE_MTP_VARLEN or vLLM's own `enable_adaptive_verification` in the speculative config), after
-    installing the V1 hooks a DeepInfer drafter needs: `patches/draft_lengths.py`, and on CPU
-    `patches/cpu_spec_expand.py` (the rejection sampler's per-token parameters).
+    installing the V1 hooks a DeepInfer drafter needs: `patches/draft_lengths.py`, on CPU
+    `patches/cpu_spec_expand.py` (the rejection sampler's per-token parameters), and with varlen
+    `patches/varlen_graphs.py` (trimmed verification steps replay full CUDA graphs).
     Varlen needs the drafts before the next step is scheduled: under async scheduling the scheduler places
     K placeholders first, so varlen falls back to the fixed length there, with a warning."""
     from vllm_deepinfer.patches import cpu_spec_expand, draft_lengths
@@ -63,6 +64,10 @@ def policy_for(vllm_config, kind: str) -> DraftLengthPolicy:
         logger.warning("vllm-deepinfer %s: %s=1 needs synchronous scheduling (--no-async-scheduling); "
                        "verifying the fixed length %d", kind, VARLEN_ENV, k)
         varlen = False
+    if varlen:
+        from vllm_deepinfer.patches import varlen_graphs
+
+        varlen_graphs.apply()
     return DraftLengthPolicy(k, varlen)
 
 
