@@ -1,7 +1,7 @@
 """Microbenchmarks of kernels_nvidia against the H200 ceilings measured in the same run.
 
     python3 benchmarks/bench_kernels.py [--json OUT.json] [--quick]
-        [--only-fp8-linears | --moe-only | --topk-only | --router-only]
+        [--only-fp8-linears | --moe-only | --topk-only | --router-only | --gemm-threshold]
 
 Ceilings first: a large device-to-device copy (bytes read + written) and an 8192^3 bf16 GEMM on random
 data. Then each kernel at V4.1-Flash full-width shapes (H=64, d=512, index heads 64 x 128, hc=4,
@@ -127,6 +127,26 @@ def bench_fp8_linears(copy_gbs, gemm_tf, quick, block=(32, 32)):
     kgemm.TILE_M, kgemm.TILE_N, kgemm.WARPS, kgemm.STAGES = default
 
 
+def bench_gemm_threshold(copy_gbs, gemm_tf, block=(32, 32)):
+    """The M where the FP8 block GEMM should leave the direct kernel for dequantise + cuBLAS (`gemm.DIRECT_MAX_M`),
+    on the matrices the default path sends to it (split K: wq_a|wkv stacked, indexer wq_b; grouped wo_a)."""
+    keep = kgemm.DIRECT_MAX_M, kgemm.BATCH_INVARIANT
+    for name, (n, k, groups) in {"wq_a|wkv": (1792, 5120, 1), "indexer.wq_b": (4096, 1280, 1),
+                                 "wo_a": (8192, 4096, 8)}.items():
+        w = (torch.randn(n, k, device=DEV) * 4).to(torch.float8_e4m3fn)
+        s = torch.randint(110, 125, (triton.cdiv(n, block[0]), triton.cdiv(k, block[1])), device=DEV,
+                          dtype=torch.uint8)
+        for m in (64, 128, 256, 512, 1024, 2048):
+            x = torch.randn(m, groups * k, device=DEV, dtype=BF)
+            nbytes, flops = w.numel() + s.numel() + x.numel() * 2 + m * n * 2, 2 * m * n * k
+            kgemm.DIRECT_MAX_M, kgemm.BATCH_INVARIANT = 1 << 30, False
+            ms_d = bench(lambda: kgemm.linear_fp8_block(x, w, s, block, groups))
+            kgemm.DIRECT_MAX_M = 0
+            ms_c = bench(lambda: kgemm.linear_fp8_block(x, w, s, block, groups))
+            record(f"{name} M={m}: direct vs dequant+cuBLAS (ratio)", ms_d, ms_c, nbytes, flops, copy_gbs, gemm_tf)
+    kgemm.DIRECT_MAX_M, kgemm.BATCH_INVARIANT = keep
+
+
 def bench_moe(copy_gbs, gemm_tf, quick):
     """MXFP4 routed experts (kernels_nvidia.moe) at the full-width V4.1 config (D=5120, I=2304, E=8, top-6)
     against the oracle's bf16 grouped-GEMM path on the dequantised weights. Bytes: the packed codes and
@@ -231,6 +251,8 @@ def main():
     ap.add_argument("--only-fp8-linears", action="store_true", help="run the FP8 block GEMM section only")
     ap.add_argument("--moe-only", action="store_true", help="ceilings and the routed-experts rows only")
     ap.add_argument("--topk-only", action="store_true", help="ceilings and the decode top-k rows only")
+    ap.add_argument("--gemm-threshold", action="store_true",
+                    help="ceilings and the FP8 GEMM direct-vs-dequantise rows only (gemm.DIRECT_MAX_M)")
     ap.add_argument("--router-only", action="store_true",
                     help="ceilings and the MoE router and Engram injection rows only")
     args = ap.parse_args()
@@ -243,6 +265,9 @@ def main():
     print(f"CEILINGS copy {copy_gbs:.0f} GB/s (read+write), bf16 GEMM 8192^3 {gemm_tf:.0f} TFLOP/s", flush=True)
     if args.topk_only:
         bench_topk(copy_gbs, gemm_tf)
+        return dump(args.json, copy_gbs, gemm_tf)
+    if args.gemm_threshold:
+        bench_gemm_threshold(copy_gbs, gemm_tf)
         return dump(args.json, copy_gbs, gemm_tf)
     if args.router_only:
         bench_router(copy_gbs, gemm_tf)

@@ -34,7 +34,11 @@ import triton
 import triton.language as tl
 
 BATCH_INVARIANT = os.environ.get("KERNELS_NVIDIA_BATCH_INVARIANT", "0") == "1"
-DIRECT_MAX_M = 1024  # above: dequantise to a bf16 scratch + cuBLAS (not batch-invariant)
+# Above: dequantise to a bf16 scratch + cuBLAS (not batch-invariant). H100, V4.1 widths (2026-12-06): the direct
+# kernel ran the thin linears of a 1 x 1024 prefill at ~244 TFLOP/s end to end (triton 3.7.1: 2.19 ms for 19
+# calls) and of a b256 decode step at ~197 (0.93 ms); dequantise + cuBLAS (`bench_kernels.py --gemm-threshold`)
+# takes wo_a 83 / 100 / 154 us at M 256 / 512 / 1024 (214 / 343 / 446 TFLOP/s), so it wins above 256.
+DIRECT_MAX_M = 256
 # Fixed tiles of the direct kernel (never chosen from M): tokens x output features x K; a K tile spans
 # 128 / BK scale blocks (V4.1: 4 of 32), each element reads its block's scale byte.
 TILE_M, TILE_N, TILE_K, WARPS, STAGES = 64, 64, 128, 4, 4
