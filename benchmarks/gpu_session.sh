@@ -37,6 +37,8 @@
 #   bash benchmarks/gpu_session.sh compact BUDGET_S      # ~8 min: in-tree then ours, prefill 1k/4k/16k + decode
 #       1/16/64/256 (steady-state step times), REPS timed reps (default 1), graphs 1/16/64/256, no JIT warm-up -> $OUT/e2e.tgz
 #   bash benchmarks/gpu_session.sh intree-bench|ours-bench BUDGET_S   # ~4-5 min each: the same, 3 reps, one side
+#   bash benchmarks/gpu_session.sh ab BUDGET_S           # ~5 min: ours alone, default vs VLLM_DEEPINFER_FLASHMLA=1, vs
+#       VLLM_DEEPINFER_DEEPGEMM_HC=1, vs both (prefill 1k/4k, decode 1/64/256; BENCH_ARGS as in compact) -> $OUT/ab_*
 #   bash benchmarks/gpu_session.sh serve-intree|serve-ours BUDGET_S   # ~6 min each: vllm serve + vllm bench serve,
 #       random 1024 in / 128 out, 200 prompts at concurrency 1, 8, 32, 128 -> $OUT/serve-<side>.tgz
 #   bash benchmarks/gpu_session.sh cold-ours|cold-intree BUDGET_S     # ours ~4 min, in-tree 5-10 min (each
@@ -222,6 +224,25 @@ compact_bench() {  # BUDGET_S: both sides of the protocol in one call (ours with
   tar czf "$OUT/e2e.tgz" --exclude 'model-*' -C /tmp bench_e2e 2>/dev/null
   grep -E "^\| |\[(ours|intree)\] (prefill|decode|engine)" "$OUT/bench_compact.out" | tail -30
   echo "compact bench done t=$((SECONDS - t0)) s"
+}
+
+ab_bench() {  # BUDGET_S: ours alone, the default path against each library switch (one engine per variant)
+  local budget=$1 t0=$SECONDS
+  vllm_env
+  local C="$BENCH --only ours --reps 1 --warmup 1 --decode-tokens 48 --gpu-mem 0.9 --prefill-tokens 1024,4096
+           --decode-batches 1,64,256 ${BENCH_ARGS:-}"
+  local variants=(default VLLM_DEEPINFER_FLASHMLA=1 VLLM_DEEPINFER_DEEPGEMM_HC=1
+                  "VLLM_DEEPINFER_FLASHMLA=1 VLLM_DEEPINFER_DEEPGEMM_HC=1")
+  local n=${#variants[@]} i=0 v
+  for v in "${variants[@]}"; do
+    local left=$((budget - (SECONDS - t0) - 15)) name=${v// /+}
+    env $([ "$v" = default ] || echo "$v") $C --timeout $((left / (n - i))) > "$OUT/ab_$name.out" 2>&1
+    keep_bench; mv "$OUT/ours.json" "$OUT/ab_$name.json" 2>/dev/null
+    echo "== $v"; grep -E "\[ours\] (prefill|decode)" "$OUT/ab_$name.out" | sed 's/^ *//'
+    i=$((i + 1))
+  done
+  rm -f "$OUT"/ours.log
+  echo "ab bench done t=$((SECONDS - t0)) s"
 }
 
 serve_bench() {  # SIDE BUDGET_S
@@ -413,8 +434,9 @@ case "$mode" in
   par-bench) vllm_env; par_bench "${2:-tp}" "${3:-560}"; pack_logs ;;
   jit-save) bash shared/gpu/jit-cache.sh save "$OUT/jit" "${2:-0}" ;;
   compact) compact_bench "${2:-560}" ;;
+  ab) ab_bench "${2:-560}" ;;
   serve-ours|serve-intree) serve_bench "${mode#serve-}" "${2:-560}" ;;
   cold-ours|cold-intree) cold_bench "${mode#cold-}" "${2:-560}" ;;
   sweep-ours|sweep-intree) sweep_bench "${mode#sweep-}" "${2:-560}" ;;
-  *) echo "usage: $0 kernels|linears|stage DIR|vllm|ours-bench|intree-bench|memo|fw|engram|tp|dpep|compact|serve-SIDE|cold-SIDE|sweep-SIDE BUDGET_S|par-bench tp|dpep BUDGET_S|jit-save [FIRST]" >&2; exit 2 ;;
+  *) echo "usage: $0 kernels|linears|stage DIR|vllm|ours-bench|intree-bench|memo|fw|engram|tp|dpep|compact|ab|serve-SIDE|cold-SIDE|sweep-SIDE BUDGET_S|par-bench tp|dpep BUDGET_S|jit-save [FIRST]" >&2; exit 2 ;;
 esac
