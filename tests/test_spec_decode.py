@@ -245,6 +245,25 @@ def test_choose_lengths_maximises_expected_rate():
         assert math.isclose(rate(choose_lengths(s, 3, cost).tolist()), best, rel_tol=1e-9)
 
 
+def test_choose_lengths_fills_graph_padding():
+    """A step padded to a captured graph's size computes the padding anyway: once no slot pays, the best remaining
+    slots (prefixes, nonzero survival only) fill it; without padding the choice is unchanged."""
+    g = torch.Generator().manual_seed(1)
+    low = draft_survival(torch.rand(5, K, generator=g) * 0.01)         # nothing pays at this confidence
+    assert choose_lengths(low, 5).tolist() == [0] * 5
+    assert choose_lengths(low, 5, padded=lambda n: n).tolist() == [0] * 5
+    got = choose_lengths(low, 5, padded=lambda n: 8 if n <= 8 else n)  # 5 tokens replay the 8-token graph
+    assert int(got.sum()) == 3
+    taken = sorted(float(low[r, i]) for r in range(5) for i in range(int(got[r])))
+    assert taken == sorted(low.flatten().tolist())[-3:]                 # the 3 best slots, as row prefixes
+    zero = torch.zeros(5, K)
+    zero[0, 0] = 0.001
+    assert choose_lengths(zero, 5, padded=lambda n: 8).tolist() == [1, 0, 0, 0, 0]  # survival 0: never verified
+    mixed = draft_survival(torch.tensor([[0.99, 0.99, 0.1], [0.5, 0.5, 0.5], [0.01, 0.9, 0.9]]))
+    cost = VerifyCost(fixed=1.0, per_token=1.0)
+    assert choose_lengths(mixed, 3, cost, padded=lambda n: 6).tolist() == [2, 1, 0]  # + the next best: 0.5
+
+
 def test_no_slot_pays_bounds_the_chosen_lengths():
     """Where `no_slot_pays` holds for a position (the MTP loop's stop), `choose_lengths` verifies none at or
     after it (the stop changes no chosen length)."""

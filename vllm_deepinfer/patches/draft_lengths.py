@@ -17,7 +17,8 @@ DSpark's, whose proposer feeds it the confidence head directly):
   `_sample_from_logits` when probabilistic drafting is on; in batch-invariant mode the draw coupled to the
   target's seeded noise, `DraftLengthPolicy.coupled_tokens`), plus recording the drafted tokens'
   probabilities, and the early stop;
-* `GPUModelRunner.take_draft_token_ids` (inherited by the CPU runner): trim each request's list.
+* `GPUModelRunner.take_draft_token_ids` (inherited by the CPU runner): trim each request's list (with the
+  runner's full-graph keys, whose padding the policy fills: `patches/varlen_graphs.py`).
 
 With async scheduling (GPU V1) the scheduler schedules placeholders before the lists exist, so
 trimming cannot act there: `proposer.policy_for` turns varlen off then (the CPU platform forces async
@@ -89,6 +90,7 @@ def apply() -> None:
         out = take(self)
         policy = _policy(getattr(self, "drafter", None))
         if out is not None and policy is not None:
+            policy.graph_keys = getattr(self, "_deepinfer_full_keys", ())  # patches/varlen_graphs.py
             out.draft_token_ids = policy.trim(out.draft_token_ids)
         return out
 

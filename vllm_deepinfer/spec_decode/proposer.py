@@ -92,6 +92,9 @@ class DraftLengthPolicy:
         # target's seeded draws
         self.seeds: torch.Tensor | None = None
         self.first_pos: torch.Tensor | None = None
+        # the target runner's full-graph keys (`patches/varlen_graphs.py`, set where the runner hands the drafts
+        # over): a verification step is padded to the smallest that holds it, so `trim` fills that padding
+        self.graph_keys: tuple = ()
 
     def start(self) -> None:
         self._probs, self._tokens, self._dists, self.survival = [], [], [], None
@@ -146,10 +149,22 @@ class DraftLengthPolicy:
         self.survival = draft_survival(confidence)
         self.draft_steps += 1
 
+    def _padded(self, num_reqs: int):
+        """n -> the tokens of the captured graph a step of n tokens in `num_reqs` requests replays (None: no graphs)."""
+        if not self.graph_keys:
+            return None
+        from vllm_deepinfer.patches.varlen_graphs import pick_graph
+
+        def padded(n: int) -> int:
+            desc = pick_graph(self.graph_keys, n, num_reqs)
+            return n if desc is None else desc.num_tokens
+        return padded
+
     def trim(self, drafts: list[list[int]]) -> list[list[int]]:
         """drafts: per request of the last proposal (batch order) -> the prefixes to verify."""
         if self.varlen and self.survival is not None and drafts:
-            lengths = choose_lengths(self.survival[: len(drafts)], len(drafts), self.cost).tolist()
+            b = len(drafts)
+            lengths = choose_lengths(self.survival[:b], b, self.cost, padded=self._padded(b)).tolist()
             drafts = [d[:n] for d, n in zip(drafts, lengths)]
         for d in drafts:
             self.length_counts[min(len(d), self.max_len)] += 1

@@ -12,6 +12,8 @@ E[tokens] / step_time(n). With a linear step time a + b*n this is a fractional k
 exceeds the rate it joins times b, i.e. s > E_so_far * b / (a + b * n_so_far). Because each row is
 non-increasing, the chosen slots of a request always form a prefix, so k_r is a count. Plain decode
 (k_r = 0 for all r) is the empty choice; the policy picks it whenever no draft pays for its verification.
+Under CUDA graphs the target computes the step padded to a captured size (`patches/varlen_graphs.py`), so
+the slots between n and that size are free: the next best drafts fill them.
 
 Survival sources: the V4 MTP drafter has no confidence head, so `spec_decode/proposer.py` feeds the
 running product of the drafter's own probability of each drafted token (`draft_survival`); the V4.1
@@ -21,6 +23,7 @@ DSpark confidence head's per-position sigmoid outputs feed the same function thr
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -62,11 +65,14 @@ def no_slot_pays(survival: torch.Tensor, batch_size: int, cost: VerifyCost = Ver
 
 
 def choose_lengths(survival: torch.Tensor, batch_size: int, cost: VerifyCost = VerifyCost(),
-                   min_len: int = 0) -> torch.Tensor:
+                   min_len: int = 0, padded: Callable[[int], int] | None = None) -> torch.Tensor:
     """survival [B, K] (non-increasing rows) -> draft tokens to verify per request [B] (int64, min_len..K).
 
     `batch_size` is the number of requests in the step (B here; the cost of their bonus tokens is the
     plain-decode baseline). Greedy fractional knapsack on the expected rate (module docstring).
+    `padded(n)`: the tokens the target will actually compute for a step of n tokens (a captured CUDA graph
+    pads the step to its size; None: n). Slots up to that size cost nothing, so after the knapsack the next
+    best slots fill them.
     """
     b, k = survival.shape
     m = min(min_len, k)
@@ -75,11 +81,16 @@ def choose_lengths(survival: torch.Tensor, batch_size: int, cost: VerifyCost = V
     tokens = batch_size + float(s[:, :m].sum())   # expected tokens of the step so far
     n = batch_size + b * m                         # tokens the target verifies so far
     order = torch.argsort(s[:, m:].flatten(), descending=True, stable=True)
+    free = None  # once the knapsack stops: slots the padded step computes anyway
     for flat in order.tolist():
         r, i = divmod(flat, k - m)
         value = float(s[r, m + i])
-        if not _pays(value, tokens, n, cost):  # this slot (and every later one) lowers the rate
-            break
+        if free is None and not _pays(value, tokens, n, cost):  # this slot (and every later one) lowers the rate
+            free = (n if padded is None else padded(n)) - n
+        if free is not None:
+            if free <= 0 or value <= 0.0:
+                break
+            free -= 1
         tokens += value
         n += 1
         lengths[r] += 1
