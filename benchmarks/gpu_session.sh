@@ -29,6 +29,7 @@
 #       model (full-width V4.1, 8 layers, 384 experts, dummy weights) under DP=2+EP (par_bench dpep)
 #   bash benchmarks/gpu_session.sh par-bench tp|dpep BUDGET_S   # two GPUs, ~5 min: that served throughput alone
 #       (in-tree then ours, `bench_serve.py --serve-args`), for TP=2 or DP=2+EP -> $OUT/bench-<par>.tgz
+#   bash benchmarks/gpu_session.sh pytest ARGS...   # after READY: plugin wheel + tiny-gpu checkpoints, then pytest ARGS
 #   bash benchmarks/gpu_session.sh jit-save [FIRST] # last call on a warm host: JIT caches -> $OUT/jit (copy that
 #       folder to .gpuwork/jit here; the next host's first vllm_env restores it)
 #   The benchmark protocol (issue 9; bench_e2e.py defaults: V4.1 release widths, 8 layers, 384 experts top-6,
@@ -435,6 +436,7 @@ case "$mode" in
   jit-save) bash shared/gpu/jit-cache.sh save "$OUT/jit" "${2:-0}" ;;
   compact) compact_bench "${2:-560}" ;;
   ab) ab_bench "${2:-560}" ;;
+  pytest) shift; vllm_env; make_checkpoints; python3 -m pytest -q -s -p no:cacheprovider "$@" 2>&1 | tail -30 ;;
   serve-ours|serve-intree) serve_bench "${mode#serve-}" "${2:-560}" ;;
   cold-ours|cold-intree) cold_bench "${mode#cold-}" "${2:-560}" ;;
   sweep-ours|sweep-intree) sweep_bench "${mode#sweep-}" "${2:-560}" ;;
