@@ -436,7 +436,8 @@ case "$mode" in
   jit-save) bash shared/gpu/jit-cache.sh save "$OUT/jit" "${2:-0}" ;;
   compact) compact_bench "${2:-560}" ;;
   ab) ab_bench "${2:-560}" ;;
-  pytest) shift; vllm_env; make_checkpoints; python3 -m pytest -q -s -p no:cacheprovider "$@" 2>&1 | tail -30 ;;
+  pytest) shift; vllm_env; make_checkpoints
+    python3 -m pytest -q -s -p no:cacheprovider "$@" 2>&1 | tee "$OUT/pytest.log" | grep -E "passed|failed|Error|steps on" ;;
   serve-ours|serve-intree) serve_bench "${mode#serve-}" "${2:-560}" ;;
   cold-ours|cold-intree) cold_bench "${mode#cold-}" "${2:-560}" ;;
   sweep-ours|sweep-intree) sweep_bench "${mode#sweep-}" "${2:-560}" ;;
