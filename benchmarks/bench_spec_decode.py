@@ -10,10 +10,10 @@ dspark on V4.1, mtp on V4). Each mode runs in its own subprocess (one engine eac
 vLLM's default scheduling), fixed (`{"method": M, "num_speculative_tokens": K}`), varlen (the same with
 DEEPINFER_ENABLE_MTP_VARLEN=1 and synchronous scheduling, which it needs); `--intree` adds vLLM's in-tree model
 (DEEPINFER_DISABLE=1) fixed, and for DSpark its adaptive verification (`enable_adaptive_verification`, V2 runner).
-For each batch size B: B random prompts of --prompt-len tokens, greedy, --new-tokens each (ignore_eos), as one
-`generate` after a warm-up call (prefix caching off, so both do the same work); per-user tok/s = new tokens /
-wall time; plus vLLM's spec-decode counters (acceptance rate, mean accepted length, per-position acceptance) over
-the timed call. `--host-profile`: the engine runs in-process and one more batch-1 call (after the timed ones, so
+For each batch size B: B random prompts of --prompt-len tokens, greedy, --new-tokens each (ignore_eos), as
+`generate` calls after a warm-up call (prefix caching off, so all do the same work); per-user tok/s = new tokens /
+the median wall time of --reps calls; plus vLLM's spec-decode counters (acceptance rate, mean accepted length,
+per-position acceptance) over the timed calls. `--host-profile`: the engine runs in-process and one more batch-1 call (after the timed ones, so
 the numbers are unaffected) is cProfiled: the top functions by own time and by cumulative time per mode, to see
 where a host-bound speculative step goes.
 """
@@ -25,6 +25,7 @@ import json
 import os
 import signal
 import subprocess
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -72,13 +73,16 @@ def run_mode(args: argparse.Namespace) -> dict:
                    for _ in range(b)]
         llm.generate(prompts, params, use_tqdm=False)  # warm-up
         before = counters()
-        t = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        wall = time.perf_counter() - t
+        walls = []
+        for _ in range(args.reps):  # the median: one call of 128 tokens lasts 0.2-0.7 s, single calls are noisy
+            t = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            walls.append(time.perf_counter() - t)
+        wall = statistics.median(walls)
         after = counters()
         d = {k: ([x - y for x, y in zip(v, before.get(k, [0] * len(v)))] if isinstance(v, list) else v - before.get(k, 0))
              for k, v in after.items()}
-        row = {"batch": b, "wall_s": wall, "per_user_tok_s": args.new_tokens / wall}
+        row = {"batch": b, "wall_s": wall, "walls_s": walls, "per_user_tok_s": args.new_tokens / wall}
         if d.get("num_draft_tokens"):
             row.update(acceptance=d["num_accepted_tokens"] / d["num_draft_tokens"],
                        mean_accepted=d["num_accepted_tokens"] / d["num_drafts"],
@@ -137,6 +141,7 @@ def main() -> None:
     p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--reps", type=int, default=3, help="timed generate calls per batch size (the median is reported)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--gpu-util", type=float, default=0.85)
     p.add_argument("--intree", action="store_true",
