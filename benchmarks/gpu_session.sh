@@ -236,7 +236,7 @@ ab_bench() {  # BUDGET_S: ours alone, the default path against each library swit
                   "VLLM_DEEPINFER_FLASHMLA=1 VLLM_DEEPINFER_DEEPGEMM_HC=1")
   local n=${#variants[@]} i=0 v
   for v in "${variants[@]}"; do
-    local left=$((budget - (SECONDS - t0) - 15)) name=${v// /+}
+    local left=$((budget - (SECONDS - t0) - 15)) name=${v//[= ]/_}
     env $([ "$v" = default ] || echo "$v") $C --timeout $((left / (n - i))) > "$OUT/ab_$name.out" 2>&1
     keep_bench; mv "$OUT/ours.json" "$OUT/ab_$name.json" 2>/dev/null
     echo "== $v"; grep -E "\[ours\] (prefill|decode)" "$OUT/ab_$name.out" | sed 's/^ *//'
