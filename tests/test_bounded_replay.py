@@ -175,7 +175,7 @@ def test_policy():
 def test_exact_after_prefix_hit_rewound_past_window(ckpt_root):
     """The release window (128; exact keep 382): a 512-token hit is rewound to 130, so the recomputed
     tail writes past-cut window rows far below hit - W (vLLM's own rewind); those rows need real blocks
-    (`attention/caches.py::ReplayWindowManager`: vLLM's admission put them in the null block, and the hit
+    (`patches/replay_window_manager.py`: vLLM's admission put them in the null block, and the hit
     run's first-token logprobs moved by 6e-5, later tokens' by 2.7e-4)."""
     model = tiny_checkpoint(ckpt_root, "v4.1-flash", 0)
     prompt = prompt_ids(model, 600, 11)

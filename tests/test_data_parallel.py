@@ -104,7 +104,7 @@ def test_dp2_bounded_replay_chunked_matches_one_process(ckpt_root, tmp_path):
     try:
         server.wait_ready(timeout=600)
         # the repeat of prompts[0] below is a 512-token prefix hit rewound by the keep (382): its tail's
-        # past-cut window rows need real blocks (`ReplayWindowManager`; before it: 2.8e-4 off)
+        # past-cut window rows need real blocks (`patches/replay_window_manager.py`; before it: 2.8e-4 off)
         _same(_complete(server, prompts[0]), want[0], 1e-4)  # the other rank on dummy batches
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
             got = list(pool.map(lambda p: _complete(server, p), prompts))

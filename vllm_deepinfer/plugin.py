@@ -27,9 +27,6 @@ def register() -> None:
 
     patches.apply_all()
     import vllm_deepinfer.models.quant_config  # noqa: F401  (registers deepinfer_fp8)
-    from vllm_deepinfer.attention.caches import register_replay_window_manager
-
-    register_replay_window_manager()
 
     for arch, target in {**MODELS, **DRAFT_MODELS}.items():
         ModelRegistry.register_model(arch, target)

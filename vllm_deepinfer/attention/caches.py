@@ -29,8 +29,6 @@ import torch
 from torch import nn
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
-from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
-from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 from vllm.v1.kv_cache_interface import (
     KVCacheSpec,
     MLAAttentionSpec,
@@ -45,7 +43,7 @@ from vllm_deepinfer.attention.backend import PagedCacheBackend, PagedCacheMetada
 class ReplayWindowSpec(SlidingWindowMLASpec):
     """Window KV past the bounded-replay cut: out of prefix caching (`bounded_replay`), and a hit is
     rewound by `replay_tokens` (the keep length; vLLM's own spec rewinds by the window), so the
-    recomputed tail covers every retained row. vLLM resolves its manager through the MRO."""
+    recomputed tail covers every retained row. Its block manager: `patches/replay_window_manager.py`."""
 
     replay_tokens: int = 0
 
@@ -59,38 +57,6 @@ class ReplayWindowSpec(SlidingWindowMLASpec):
         assert all(isinstance(s, ReplayWindowSpec) for s in specs), "replay windows group only with replay windows"
         assert len({s.replay_tokens for s in specs}) == 1, "all replay windows of a group must agree"
         return dataclasses.replace(super().merge(specs), replay_tokens=specs[0].replay_tokens)
-
-
-class ReplayWindowManager(SlidingWindowManager):
-    """Block manager of `ReplayWindowSpec` groups. vLLM admits a prefix hit with the hit's full length
-    and skips (null blocks) every block below hit - W + 1, which covers in-tree's rewind of W tokens; ours
-    rewinds by `replay_tokens` > W, so the rows the recomputed tail writes between hit - replay_tokens and
-    hit - W went to the null block and later reads got garbage. At admission this manager skips only
-    below hit - replay_tokens - W + 1; freeing as the request advances keeps the plain window."""
-
-    def __init__(self, kv_cache_spec: "ReplayWindowSpec", **kwargs) -> None:
-        super().__init__(kv_cache_spec, **kwargs)
-        self.replay_tokens = kv_cache_spec.replay_tokens
-        self._freeing = False
-
-    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
-        lead = 0 if self._freeing else self.replay_tokens
-        return max(0, super().get_num_skipped_tokens(num_computed_tokens) - lead)
-
-    def remove_skipped_blocks(self, *args, **kwargs) -> None:
-        self._freeing = True
-        try:
-            super().remove_skipped_blocks(*args, **kwargs)
-        finally:
-            self._freeing = False
-
-
-def register_replay_window_manager() -> None:
-    """Give `ReplayWindowSpec` its manager through vLLM's KV-cache spec registry (every process that
-    builds a KV cache manager loads the plugin); vLLM's built-in specs are registered first, since the
-    registry fills itself only while empty."""
-    KVCacheSpecRegistry._ensure_registered()
-    KVCacheSpecRegistry.register(ReplayWindowSpec, ReplayWindowManager, uniform_type_base_spec=SlidingWindowMLASpec)
 
 
 def cache_page_bytes(vllm_config: VllmConfig, head_dim: int, dtype: torch.dtype) -> int:

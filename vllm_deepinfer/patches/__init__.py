@@ -32,3 +32,4 @@ def apply_all() -> None:
     importlib.import_module("vllm_deepinfer.patches.seeded_sampler").apply()
     importlib.import_module("vllm_deepinfer.patches.speculative_settings").apply()
     importlib.import_module("vllm_deepinfer.patches.drafters_v1").apply()
+    importlib.import_module("vllm_deepinfer.patches.replay_window_manager").apply()
