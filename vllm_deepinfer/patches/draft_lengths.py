@@ -41,6 +41,7 @@ def apply() -> None:
     from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    from vllm_deepinfer.patches import varlen_graphs
     from vllm_deepinfer.spec_decode.proposer import StopDrafting
 
     if getattr(SpecDecodeBaseProposer.propose, "_deepinfer", False):
@@ -90,7 +91,7 @@ def apply() -> None:
         out = take(self)
         policy = _policy(getattr(self, "drafter", None))
         if out is not None and policy is not None:
-            policy.graph_keys = getattr(self, "_deepinfer_full_keys", ())  # patches/varlen_graphs.py
+            policy.graph_keys = varlen_graphs.graph_keys(self)
             out.draft_token_ids = policy.trim(out.draft_token_ids)
         return out
 

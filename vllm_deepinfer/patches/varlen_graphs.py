@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 
 
 def plain_decode_sizes(max_num_seqs: int) -> list[int]:
@@ -63,6 +63,16 @@ def pick_graph(keys: Iterable, num_tokens: int, num_reqs: int):
     return min(fits, key=lambda d: (d.num_tokens, d.num_reqs), default=None)
 
 
+def graph_keys(runner) -> Collection:
+    """The runner's FULL keys (vLLM `BatchDescriptor`s) while this patch serves it (its plain-decode keys were
+    added), else empty."""
+    if not getattr(runner, "_deepinfer_plain_keys", None):
+        return ()
+    from vllm.config.compilation import CUDAGraphMode
+
+    return runner.cudagraph_dispatcher.cudagraph_keys[CUDAGraphMode.FULL]
+
+
 @contextlib.contextmanager
 def _capturing_plain(runner, desc) -> Iterator[None]:
     """While `desc` (a plain-decode key) is captured: the runner builds its dummy batches with one token per
@@ -89,14 +99,13 @@ def apply() -> None:
     @functools.wraps(check_mode)
     def check_mode_plain_keys(self, *args, **kwargs):
         check_mode(self, *args, **kwargs)
-        self._deepinfer_plain_keys, self._deepinfer_full_keys = frozenset(), ()
+        self._deepinfer_plain_keys = frozenset()
         d = self.cudagraph_dispatcher
         mode = getattr(d, "cudagraph_mode", CUDAGraphMode.NONE)
         if (self.uniform_decode_query_len <= 1 or mode.decode_mode() != CUDAGraphMode.FULL
                 or not mode.separate_routine() or self.vllm_config.lora_config is not None):
             return
         self._deepinfer_plain_keys = add_plain_keys(d, plain_decode_sizes(self.scheduler_config.max_num_seqs))
-        self._deepinfer_full_keys = tuple(d.cudagraph_keys[CUDAGraphMode.FULL])
 
     @functools.wraps(capture)
     def capture_plain(self, desc, *args, **kwargs):
@@ -116,12 +125,13 @@ def apply() -> None:
             if a.get("force_eager"):
                 return determine(self, *args, **kwargs)
             return CUDAGraphMode.FULL, desc, False, None, None
-        if (getattr(self, "_deepinfer_full_keys", ()) and 0 < r and a["max_num_scheduled_tokens"] <= q
+        keys = graph_keys(self)
+        if (keys and 0 < r and a["max_num_scheduled_tokens"] <= q
                 and not (a["max_num_scheduled_tokens"] == q and t == q * r)       # vLLM's uniform step
                 and a.get("force_uniform_decode") is None and not a.get("force_eager")  # not a capture run
                 and not a.get("num_encoder_reqs") and self.vllm_config.parallel_config.data_parallel_size == 1
                 and not self.input_batch.lora_id_to_lora_request):
-            desc = pick_graph(self._deepinfer_full_keys, t, r)
+            desc = pick_graph(keys, t, r)
         if desc is None:
             return determine(self, *args, **kwargs)
         self.deepinfer_trimmed_graph_steps = getattr(self, "deepinfer_trimmed_graph_steps", 0) + 1

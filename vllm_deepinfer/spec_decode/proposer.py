@@ -21,6 +21,7 @@ periodic log line add the distribution of chosen lengths (zeros included) and th
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 
 import torch
 
@@ -94,7 +95,7 @@ class DraftLengthPolicy:
         self.first_pos: torch.Tensor | None = None
         # the target runner's full-graph keys (`patches/varlen_graphs.py`, set where the runner hands the drafts
         # over): a verification step is padded to the smallest that holds it, so `trim` fills that padding
-        self.graph_keys: tuple = ()
+        self.graph_keys: Collection = ()
 
     def start(self) -> None:
         self._probs, self._tokens, self._dists, self.survival = [], [], [], None
