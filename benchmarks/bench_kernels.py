@@ -86,13 +86,18 @@ FP8_LINEARS = {"wq_a": (1280, 5120, 1), "wq_b": (32768, 1280, 1), "wkv": (512, 5
                "shared.w1/w3": (2304, 5120, 1), "shared.w2": (5120, 2304, 1), "engram.wkv": (25600, 6144, 1)}
 
 
+def _fp8_block_weight(n: int, k: int, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random E4M3 codes [N, K] and E8M0 block scale bytes (2^-17..2^-3) of a benchmark matrix."""
+    w = (torch.randn(n, k, device=DEV) * 4).to(torch.float8_e4m3fn)
+    s = torch.randint(110, 125, (triton.cdiv(n, block[0]), triton.cdiv(k, block[1])), device=DEV, dtype=torch.uint8)
+    return w, s
+
+
 def bench_fp8_linears(copy_gbs, gemm_tf, quick, block=(32, 32)):
     """kernels_nvidia.gemm.linear_fp8_block vs the bf16 torch matmul of the dequantised weight (the torch
     path's storage): GB/s over the FP8 codes + scales + x + y, TFLOP/s over 2*M*N*K."""
     for name, (n, k, groups) in FP8_LINEARS.items():
-        w = (torch.randn(n, k, device=DEV) * 4).to(torch.float8_e4m3fn)
-        s = torch.randint(110, 125, (triton.cdiv(n, block[0]), triton.cdiv(k, block[1])), device=DEV,
-                          dtype=torch.uint8)
+        w, s = _fp8_block_weight(n, k, block)
         wd = dequant_fp8_block(w, e8m0_decode(s), block).to(BF)
         for m in ((1, 64, 4096) if quick else (1, 16, 64, 256, 4096)):
             x = torch.randn(m, groups * k, device=DEV, dtype=BF)
@@ -110,9 +115,7 @@ def bench_fp8_linears(copy_gbs, gemm_tf, quick, block=(32, 32)):
     default = (kgemm.TILE_M, kgemm.TILE_N, kgemm.WARPS, kgemm.STAGES)
     for name in ("wq_a", "wq_b", "wo_b"):
         n, k, _ = FP8_LINEARS[name]
-        w = (torch.randn(n, k, device=DEV) * 4).to(torch.float8_e4m3fn)
-        s = torch.randint(110, 125, (triton.cdiv(n, block[0]), triton.cdiv(k, block[1])), device=DEV,
-                          dtype=torch.uint8)
+        w, s = _fp8_block_weight(n, k, block)
         for m in (16, 256):
             x = torch.randn(m, k, device=DEV, dtype=BF)
             for tiles in ((16, 32, 4, 4), (16, 64, 4, 4), (32, 32, 4, 4), (32, 64, 4, 6), (64, 32, 4, 4),
@@ -133,9 +136,7 @@ def bench_gemm_threshold(copy_gbs, gemm_tf, block=(32, 32)):
     keep = kgemm.DIRECT_MAX_M, kgemm.BATCH_INVARIANT
     for name, (n, k, groups) in {"wq_a|wkv": (1792, 5120, 1), "indexer.wq_b": (4096, 1280, 1),
                                  "wo_a": (8192, 4096, 8)}.items():
-        w = (torch.randn(n, k, device=DEV) * 4).to(torch.float8_e4m3fn)
-        s = torch.randint(110, 125, (triton.cdiv(n, block[0]), triton.cdiv(k, block[1])), device=DEV,
-                          dtype=torch.uint8)
+        w, s = _fp8_block_weight(n, k, block)
         for m in (64, 128, 256, 512, 1024, 2048):
             x = torch.randn(m, groups * k, device=DEV, dtype=BF)
             nbytes, flops = w.numel() + s.numel() + x.numel() * 2 + m * n * 2, 2 * m * n * k
