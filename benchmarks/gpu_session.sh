@@ -234,11 +234,14 @@ ab_bench() {  # BUDGET_S: ours alone, the default path against each library swit
            --decode-batches 1,64,256 ${BENCH_ARGS:-}"
   local variants=(default VLLM_DEEPINFER_FLASHMLA=1 VLLM_DEEPINFER_DEEPGEMM_HC=1
                   "VLLM_DEEPINFER_FLASHMLA=1 VLLM_DEEPINFER_DEEPGEMM_HC=1")
+  [ -n "${AB_VARIANTS:-}" ] && IFS=';' read -ra variants <<< "$AB_VARIANTS"  # e.g. "default;VLLM_DEEPINFER_FLASHMLA=1"
   local n=${#variants[@]} i=0 v
   for v in "${variants[@]}"; do
     local left=$((budget - (SECONDS - t0) - 15)) name=${v//[= ]/_}
     env $([ "$v" = default ] || echo "$v") $C --timeout $((left / (n - i))) > "$OUT/ab_$name.out" 2>&1
     keep_bench; mv "$OUT/ours.json" "$OUT/ab_$name.json" 2>/dev/null
+    # a worker killed by its timeout can leave the engine core holding the GPU for a while
+    for _ in $(seq 30); do [ "$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits)" -lt 2000 ] && break; sleep 1; done
     echo "== $v"; grep -E "\[ours\] (prefill|decode)" "$OUT/ab_$name.out" | sed 's/^ *//'
     i=$((i + 1))
   done
