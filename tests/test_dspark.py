@@ -265,6 +265,7 @@ def test_engine_dspark_varlen_lossless_max_and_min(ckpt_root, monkeypatch):
     (DEEPINFER_ENABLE_MTP_VARLEN=1), mixed-length batch, chunked prefill: greedy tokens equal speculation off
     for both checkpoint drafters (same target); the reproducing drafter (c ~ 0.9997) is accepted and verified
     at the full block length, the noise drafter (c ~ 0.0003) at length 0 (vLLM counts no draft tokens).
+    vLLM computes no per-token slot mapping for any of the target's and drafter's cache groups.
     Decode and verification steps take the fixed-buffer draft step that CUDA graphs replay on a GPU
     (`spec_decode/draft_graphs.py`, run eagerly here: 3 requests padded to 4, trimmed verifications)."""
     ckpts = {kind: tiny_checkpoint(ckpt_root, "v4.1-flash", 0, drafter=kind) for kind in ("reproduce", "noise")}
@@ -278,6 +279,9 @@ def test_engine_dspark_varlen_lossless_max_and_min(ckpt_root, monkeypatch):
         with engine(ckpt, speculative_config=SPEC, disable_log_stats=False, **chunked) as llm:
             proposer = model_runner(llm).drafter
             assert proposer.fixed_steps is None  # no CUDA graphs on CPU
+            # no group of ours (target and drafter caches) gets vLLM's slot mapping (patches/unused_slot_mappings.py)
+            modes = {t.slot_mapping_mode.name for t in model_runner(llm).input_batch.block_table.block_tables}
+            assert modes == {"NONE"}, modes
             proposer.fixed_steps = proposer.fixed_step_graphs(capture_graphs=False)
             assert _generate(llm, prompts, 24) == base, kind
             drafted, accepted = _spec_counters(llm)
