@@ -38,3 +38,28 @@ def test_fixed_mtp_keeps_vllms_runner_choice(ckpt_root, monkeypatch):
     assert V2_GAP_MTP not in _config(ckpt, "mtp")._get_v2_model_runner_unsupported_features()
     monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
     assert V2_GAP_MTP in _config(ckpt, "mtp")._get_v2_model_runner_unsupported_features()
+
+
+def test_dspark_v2_opt_in(ckpt_root, monkeypatch):
+    """`VLLM_DEEPINFER_DSPARK_V2=1` leaves fixed-length DSpark to vLLM's runner choice (V2 on CUDA), whose DSpark
+    speculator then takes the target's aux hidden states at the drafter's target layers (vLLM's own lookup on our
+    config, `SupportsEagle3` on our class); varlen keeps V1 (our policy's hooks)."""
+    from vllm.model_executor.models.interfaces import supports_eagle3
+    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
+
+    from vllm_deepinfer.config import ArchConfig
+    from vllm_deepinfer.models.deepseek import DeepseekV41ForCausalLM
+    from vllm_deepinfer.patches.drafters_v1 import DSPARK_V2_ENV, V2_GAP
+
+    monkeypatch.delenv("DEEPINFER_ENABLE_MTP_VARLEN", raising=False)
+    monkeypatch.delenv("DEEPINFER_BATCH_INVARIANT", raising=False)
+    ckpt = tiny_checkpoint(ckpt_root, "v4.1-flash", 0, drafter="reproduce")
+    assert V2_GAP in _config(ckpt, "dspark")._get_v2_model_runner_unsupported_features()
+    monkeypatch.setenv(DSPARK_V2_ENV, "1")
+    cfg = _config(ckpt, "dspark")
+    assert V2_GAP not in cfg._get_v2_model_runner_unsupported_features()
+    layers = ArchConfig.from_hf(cfg.model_config.hf_config).dspark_target_layer_ids
+    assert tuple(get_eagle3_aux_layers_from_config(cfg.speculative_config)) == layers
+    assert supports_eagle3(DeepseekV41ForCausalLM)
+    monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
+    assert V2_GAP in _config(ckpt, "dspark")._get_v2_model_runner_unsupported_features()

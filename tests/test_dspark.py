@@ -39,7 +39,7 @@ class Session:
 
         from vllm_deepinfer.spec_decode.dspark import DSparkDrafter
 
-        self.llm, self.vcfg = llm, llm.llm_engine.vllm_config
+        self.llm, self.vcfg, self.ckpt = llm, llm.llm_engine.vllm_config, ckpt
         self.target = model_runner(llm).model
         with set_current_vllm_config(self.vcfg):
             self.drafter = DSparkDrafter(vllm_config=self.vcfg, prefix=prefix)
@@ -48,13 +48,13 @@ class Session:
         process_weights_after_loading(self.drafter, self.vcfg.model_config, torch.device("cpu"))
         self.arch = self.target.arch
 
-    def caches(self, n_reqs: int) -> dict:
-        """Fresh zeroed buffers for every stage's window cache: request r owns blocks r*nb+1 .. (r+1)*nb
-        (block 0 is the null block) -> the metadata per cache prefix."""
+    def caches(self, n_reqs: int, drafter=None) -> dict:
+        """Fresh zeroed buffers for every stage's window cache of `drafter` (default: the session's): request r
+        owns blocks r*nb+1 .. (r+1)*nb (block 0 is the null block) -> the metadata per cache prefix."""
         from vllm_deepinfer.attention.backend import PagedCacheMetadata
 
         meta = {}
-        for stage in self.drafter.stages:
+        for stage in (drafter or self.drafter).stages:
             cache = stage.attn.window_cache
             nb = -(-W_MAX_LEN // cache.block_size)
             cache.bind_kv_cache(torch.zeros(n_reqs * nb + 1, 1, cache.rows_per_block, cache.width))
@@ -202,6 +202,56 @@ def test_heads_match_vllm_in_tree_pieces(session):
                                    rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(torch.sigmoid(conf(hidden, psi)), ours.confidence_head(hidden, psi),
                                    rtol=1e-6, atol=1e-7)
+
+def test_v2_speculator_steps_equal_draft(session, reference):
+    """The steps vLLM's V2 `DSparkSpeculator` calls (`VLLM_DEEPINFER_DSPARK_V2=1`), in its order, on a drafter
+    whose embedding and head were shared the way vLLM's V2 loader shares them (`model.embed_tokens`, `lm_head`):
+    context KV stored by slot ids, the block forward from the forward context, then the Markov loop and the
+    confidences: the same greedy tokens as `draft` on the V1 path, logits and confidences within fp32 rounding
+    (the context KV of all requests comes from one GEMM here, per request there)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.forward_context import set_forward_context
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    from vllm_deepinfer.spec_decode.dspark import DSparkDrafter
+
+    n, lens = 5, (150, 37, 1)
+    contexts = [reference.features(_ids(p, p)) for p in lens]
+    anchors = _ids(len(lens), 99)
+    want = session.draft(contexts, anchors, n)
+    with set_current_vllm_config(session.vcfg):
+        v2 = DSparkDrafter(vllm_config=session.vcfg, prefix="draft_v2")
+    v2.load_weights(_weights(session.ckpt))
+    process_weights_after_loading(v2, session.vcfg.model_config, torch.device("cpu"))
+    v2.model.embed_tokens, v2.lm_head = session.target.model.embed_tokens, session.target.lm_head  # the loader's sharing
+    v2.block_len = n
+    meta = session.caches(len(lens), v2)
+    cache = v2.stages[0].attn.window_cache
+    table, bs = meta[cache.prefix].block_table, cache.block_size
+    req = torch.cat([torch.full((c.shape[0],), r) for r, c in enumerate(contexts)])
+    pos = torch.cat([torch.arange(c.shape[0]) for c in contexts])
+    slots = table[req, pos // bs].long() * bs + pos % bs  # vLLM's slot mapping
+    ids = torch.full((len(lens), n), v2.noise)
+    ids[:, 0] = torch.tensor(anchors)
+    block_pos = torch.tensor([c.shape[0] for c in contexts]).unsqueeze(1) + torch.arange(n)
+    with torch.inference_mode(), set_forward_context(meta, session.vcfg):
+        main_x = v2.combine_hidden_states(torch.cat([c for c in contexts]).flatten(1))
+        v2.precompute_and_store_context_kv(main_x, pos, [slots] * len(v2.stages))
+        hidden = v2(ids.flatten(), block_pos.flatten())
+        base = v2.compute_draft_logits(hidden).view(len(lens), n, -1)
+        prev, tokens, logits, psis = torch.tensor(anchors), [], [], []
+        for k in range(n):
+            psi = v2.markov_embed(prev)
+            logits.append(base[:, k] + v2.markov_bias(psi))
+            prev = v2.map_draft_to_target(logits[-1].argmax(-1))
+            tokens.append(prev)
+            psis.append(psi)
+        confidence = v2.compute_confidence(hidden, torch.stack(psis, dim=1).flatten(0, 1)).view(len(lens), n)
+    assert v2.get_draft_kv_cache_layer_names() == [s.attn.window_cache.prefix for s in v2.stages]
+    assert torch.stack(tokens, 1).tolist() == want.tokens.tolist()
+    torch.testing.assert_close(torch.stack(logits, 1), want.logits, **LOGIT_TOL)
+    torch.testing.assert_close(confidence, want.confidence, **CONF_TOL)
+
 
 # Tests below start their own engines; an engine's exit tears down the distributed state that the module's
 # `session` engine uses, so every test on `session` comes before them.

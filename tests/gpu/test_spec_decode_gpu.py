@@ -37,10 +37,10 @@ def _ckpt(name: str) -> Path:
     return path
 
 
-def _generate(ckpt: Path, spec: dict | None = None, **overrides) -> tuple[list[list[int]], str, int, int, int]:
+def _generate(ckpt: Path, spec: dict | None = None, **overrides) -> tuple[list[list[int]], str, int, int, int, str]:
     """Greedy 64 tokens for the 37/300/1000-token fidelity prompts in one batch -> (tokens, the engine's
     cudagraph mode, draft tokens vLLM counted, draft-step graphs DSpark's proposer captured, trimmed
-    verification steps that replayed a full graph)."""
+    verification steps that replayed a full graph, the model runner's module)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -58,7 +58,8 @@ def _generate(ckpt: Path, spec: dict | None = None, **overrides) -> tuple[list[l
         fixed = getattr(drafter, "fixed_steps", None)
         graphs = 0 if fixed is None else len(fixed.graphs)
         trimmed = getattr(model_runner(llm), "deepinfer_trimmed_graph_steps", 0)
-    return [list(o.outputs[0].token_ids) for o in outs], mode, drafts, graphs, trimmed
+        runner = type(model_runner(llm)).__module__
+    return [list(o.outputs[0].token_ids) for o in outs], mode, drafts, graphs, trimmed, runner
 
 
 _PLAIN: dict[str, list[list[int]]] = {}
@@ -75,7 +76,7 @@ def _plain(ckpt: Path) -> list[list[int]]:
 def test_greedy_speculation_equals_none_with_cuda_graphs(name, method):
     ckpt = _ckpt(name)
     ref = _plain(ckpt)
-    got, mode, drafts, graphs, _ = _generate(ckpt, {"method": method, "num_speculative_tokens": K})
+    got, mode, drafts, graphs, _, _ = _generate(ckpt, {"method": method, "num_speculative_tokens": K})
     print(f"\n{name} {method} K={K}: cudagraph_mode {mode}, {drafts} draft tokens, {graphs} draft-step graphs")
     assert "NONE" not in mode, f"speculation turned CUDA graphs off ({mode})"
     assert drafts > 0
@@ -92,7 +93,22 @@ def test_varlen_equals_none(monkeypatch, name, method):
     ckpt = _ckpt(name)
     ref = _plain(ckpt)
     monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
-    got, mode, _, _, trimmed = _generate(ckpt, {"method": method, "num_speculative_tokens": K}, async_scheduling=False)
+    got, mode, _, _, trimmed, _ = _generate(ckpt, {"method": method, "num_speculative_tokens": K},
+                                            async_scheduling=False)
     print(f"\n{name} {method} varlen K={K}: cudagraph_mode {mode}, {trimmed} trimmed steps on full graphs")
     assert trimmed > 0, "no trimmed verification step replayed a graph"
+    assert got == ref
+
+
+def test_dspark_on_v2_equals_none(monkeypatch):
+    """`VLLM_DEEPINFER_DSPARK_V2=1`: vLLM's V2 runner and its own DSpark speculator drive our drafter (context KV
+    by slot ids, block forward, Markov and confidence heads; `spec_decode/dspark.py`) on the target's aux hidden
+    states (`DeepseekV41ForCausalLM.set_aux_hidden_state_layers`), fixed length, CUDA graphs: the tokens stay those
+    of plain decode."""
+    ckpt = _ckpt("ckpt-v41m")
+    ref = _plain(ckpt)
+    monkeypatch.setenv("VLLM_DEEPINFER_DSPARK_V2", "1")
+    got, mode, drafts, _, _, runner = _generate(ckpt, {"method": "dspark", "num_speculative_tokens": K})
+    print(f"\nckpt-v41m dspark on V2 K={K}: runner {runner}, cudagraph_mode {mode}, {drafts} draft tokens")
+    assert runner.startswith("vllm.v1.worker.gpu.") and drafts > 0
     assert got == ref

@@ -15,6 +15,7 @@ in `engram_layer_ids` first add their Engram value to the streams.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import ClassVar, Literal
 
 import torch
 import torch.distributed as dist
@@ -297,6 +298,7 @@ class DeepseekForCausalLM(nn.Module, DeepseekMixtureOfExperts):
         logger.info("vllm-deepinfer numerics: %s", "parity " + ",".join(sorted(numerics)) if numerics else "exact")
         self.lm_head = ParallelLMHead(self.arch.vocab_size, self.arch.hidden_size, prefix="lm_head")
         self.logits_processor = LogitsProcessor(self.arch.vocab_size)
+        self.max_num_tokens = vllm_config.scheduler_config.max_num_batched_tokens
 
     def get_model_state_cls(self):
         """V2 model runner: a ModelState that hands the prompt lengths to bounded replay."""
@@ -349,4 +351,28 @@ class DeepseekV4ForCausalLM(DeepseekForCausalLM):
 
 
 class DeepseekV41ForCausalLM(DeepseekForCausalLM):
+    """V4.1; for vLLM's V2 DSpark speculator (`VLLM_DEEPINFER_DSPARK_V2=1`) also vLLM's `SupportsEagle3`: the
+    runner asks for the stream means entering the drafter's target layers as aux hidden states, which the
+    forward then returns beside the hidden states."""
+
     family = V41
+    supports_eagle3: ClassVar[Literal[True]] = True
+    has_own_lm_head = has_own_embed_tokens = False
+    aux_hidden_states = False  # set by set_aux_hidden_state_layers
+
+    def set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
+        """Capture the stream means entering `layers` (vLLM hands DSpark's `dspark_target_layer_ids`)."""
+        self.enable_stream_capture(tuple(layers), self.max_num_tokens)
+        self.aux_hidden_states = True
+
+    def get_eagle3_default_aux_hidden_state_layers(self) -> tuple[int, ...]:
+        return self.arch.dspark_target_layer_ids
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors=None,
+                inputs_embeds: torch.Tensor | None = None, **kwargs):
+        """-> hidden [T, D], or (hidden, [len(layers) x [T, D]]) once aux hidden states are asked for (rows of
+        prompt tokens that bounded replay drops past the cut are 0; DSpark's window never reads them)."""
+        hidden = super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
+        if not self.aux_hidden_states:
+            return hidden
+        return hidden, list(self.model.capture.features[: input_ids.shape[0]].unbind(1))

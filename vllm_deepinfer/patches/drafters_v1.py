@@ -16,9 +16,12 @@ Three wraps, each active only for DeepInfer's target and drafter:
 
 * the V1 refusal list drops the dspark entry and "adaptive draft verification" (`enable_adaptive_verification`
   maps onto our draft-length policy, `spec_decode.proposer.policy_for`);
-* the V2 list gains "DeepInfer's DSpark drafter" (the V2 `DSparkSpeculator` expects vLLM's own draft model
-  surface) or "DeepInfer's MTP drafter with ...", so vLLM picks V1 on GPU too (or refuses V2 by name when
-  `VLLM_USE_V2_MODEL_RUNNER=1`);
+* the V2 list gains "DeepInfer's DSpark drafter" or "DeepInfer's MTP drafter with ...", so vLLM picks V1 on GPU
+  too (or refuses V2 by name when `VLLM_USE_V2_MODEL_RUNNER=1`). Opt-in `VLLM_DEEPINFER_DSPARK_V2=1` leaves
+  fixed-length DSpark to vLLM's runner choice (V2 on CUDA): vLLM's own `DSparkSpeculator` then drives our
+  drafter through the surface it calls (`spec_decode/dspark.py`) and the target's aux hidden states
+  (`DeepseekV41ForCausalLM.set_aux_hidden_state_layers`). Varlen (our policy) and batch-invariant drafts exist
+  only on V1, so with either the variable is ignored, with a warning. Not yet run on a GPU (NOTES.md);
 * after `GPUModelRunner.__init__` (inherited by `CPUModelRunner`) the DSpark runner's drafter is our
   `spec_decode.dspark_proposer.DSparkProposer`, an `EagleProposer` subclass, so the runner's isinstance checks and
   its eagle code path (input preparation, draft KV group, `propose`) apply unchanged.
@@ -29,6 +32,11 @@ One read of V1 internals: `group_block_table` (the block tables of the drafter's
 from __future__ import annotations
 
 import functools
+import os
+
+from vllm_deepinfer.log import get_logger
+
+logger = get_logger(__name__)
 
 V1_REFUSAL = "dspark speculative decoding"
 V1_ADAPTIVE = "adaptive draft verification"  # our draft-length policy implements it on V1
@@ -52,6 +60,30 @@ def _deepinfer_drafter(vllm_config, method: str, arch: str) -> bool:
 def deepinfer_dspark(vllm_config) -> bool:
     """Whether `vllm_config` runs DSpark with DeepInfer's target and drafter."""
     return _deepinfer_drafter(vllm_config, "dspark", DSPARK_ARCH)
+
+
+DSPARK_V2_ENV = "VLLM_DEEPINFER_DSPARK_V2"
+
+
+@functools.cache
+def _warn_v2_ignored() -> None:
+    logger.warning("%s ignored: varlen and batch-invariant drafts run on vLLM's V1 runner", DSPARK_V2_ENV)
+
+
+def dspark_on_v2(vllm_config) -> bool:
+    """Whether DeepInfer's DSpark may run under vLLM's V2 DSpark speculator: `VLLM_DEEPINFER_DSPARK_V2=1` and a
+    fixed draft length outside batch-invariant mode (varlen and coupled drafts are V1 hooks)."""
+    from vllm_deepinfer import ops
+    from vllm_deepinfer.spec_decode.proposer import varlen_requested
+
+    if os.environ.get(DSPARK_V2_ENV, "0").strip().lower() in ("", "0", "false", "no", "off"):
+        return False
+    if not deepinfer_dspark(vllm_config):
+        return False
+    if varlen_requested(vllm_config.speculative_config) or ops.invariant_requested(vllm_config):
+        _warn_v2_ignored()
+        return False
+    return True
 
 
 def deepinfer_mtp_on_v1(vllm_config) -> bool:
@@ -84,7 +116,10 @@ def apply() -> None:
 
     @functools.wraps(v2)
     def v2_unsupported(self) -> list[str]:
-        gaps = [V2_GAP] if deepinfer_dspark(self) else [V2_GAP_MTP] if deepinfer_mtp_on_v1(self) else []
+        if deepinfer_dspark(self):
+            gaps = [] if dspark_on_v2(self) else [V2_GAP]
+        else:
+            gaps = [V2_GAP_MTP] if deepinfer_mtp_on_v1(self) else []
         return v2(self) + gaps
 
     @functools.wraps(unsupported)

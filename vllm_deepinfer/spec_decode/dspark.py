@@ -26,12 +26,15 @@ The drafter owns no embedding or head: it calls the target's (`embed_input_ids`,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 from vllm.config import VllmConfig
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
 from vllm_deepinfer import ops
 from vllm_deepinfer.attention.backend import PagedCacheMetadata
@@ -70,13 +73,13 @@ class DraftBatch:
 
     req: [B] block-table rows of the requests; anchor_pos: [B] int64 position of each anchor (P + 1, the
     number of positions whose context KV is written); n: block length N; attn_metadata: cache prefix ->
-    metadata (block table) of the stages' window caches.
+    metadata (block table) of the stages' window caches (None: vLLM's profile run, no cache bound).
     """
 
     req: torch.Tensor
     anchor_pos: torch.Tensor
     n: int
-    attn_metadata: dict[str, PagedCacheMetadata]
+    attn_metadata: dict[str, PagedCacheMetadata] | None
 
     @property
     def positions(self) -> torch.Tensor:
@@ -136,17 +139,27 @@ class DSparkAttention(Attention):
         cos, sin = self.rope.cos_sin(positions)
         self.window_cache.write(meta, req, positions, self._keys(main_x, cos, sin), keep=keep)
 
+    def store_context(self, main_x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """main_x: [T, D]; positions: [T]; slots: [T] flat rows of the window cache (vLLM's slot mapping: block
+        id * block size + position % block size; -1 = store nothing, sent to the null block) -> stored."""
+        cos, sin = self.rope.cos_sin(positions)
+        self.window_cache.rows[slots.clamp(min=0)] = self._keys(main_x, cos, sin).to(self.window_cache.dtype)
+
     def forward(self, x: torch.Tensor, block: DraftBatch) -> torch.Tensor:
         """x: [B * N, D] (normalised, request-major) -> [B * N, D].
 
         Keys of every query of a request: the window rows at positions anchor - W .. anchor - 1 (those >= 0),
-        read in place from the cache, then the N block rows computed here (not stored)."""
+        read in place from the cache, then the N block rows computed here (not stored). Without metadata
+        (vLLM's profile run) the block attends to itself and the sink only."""
         t, n = x.shape[0], block.n
         cos, sin = self.rope.cos_sin(block.positions)
         q = ops.apply_rope(self.wq_b(self.q_norm(self.wq_a(x))).view(t, self.n_heads, self.head_dim), cos, sin)
         kv = self._keys(x, cos, sin)
-        slots = self.window_cache.range_slots(block.attn_metadata[self.window_cache.prefix], block.req,
-                                              block.anchor_pos - self.window, self.window)            # [B, W]
+        if block.attn_metadata is None:
+            slots = torch.full((t // n, self.window), -1, dtype=torch.long, device=x.device)
+        else:
+            slots = self.window_cache.range_slots(block.attn_metadata[self.window_cache.prefix], block.req,
+                                                  block.anchor_pos - self.window, self.window)        # [B, W]
         own = torch.arange(t, device=x.device).view(-1, n)                                           # [B, N]
         out = ops.sparse_attention_paged(q, self.window_cache.rows, slots.repeat_interleave(n, 0), kv,
                                          own.repeat_interleave(n, 0), self.attn_sink, self.scale)
@@ -191,14 +204,26 @@ class ConfidenceHead(nn.Module):
         return torch.sigmoid(self.proj(torch.cat([hidden, psi], dim=-1).float()).squeeze(-1))
 
 
+class SharedWithTarget:
+    """`DSparkDrafter.model`: what vLLM's V2 DSpark loader and speculator read there (`confidence_head`) and set
+    (`embed_tokens`, the target's input embedding). A plain holder, not a module: the drafter's parameter names
+    stay the checkpoint's."""
+
+    def __init__(self, confidence_head: nn.Module):
+        self.confidence_head = confidence_head
+        self.embed_tokens: nn.Module | None = None
+
+
 class DSparkDrafter(nn.Module):
     """The three DSpark stages of a V4.1 target plus the Markov and confidence heads (module docstring).
 
     A vLLM model class (registered as `DSparkV41DraftModel`, the draft architecture vLLM gives V4.1's
     `dspark` method): built inside the engine's vLLM config, its stages' window caches are vLLM KV-cache
     layers named `{prefix}.stages.{i}.attn.window_cache` and their MoE layers are vLLM's. The config is the
-    draft model config's (vLLM's copy of the target config), else the model config's. `bind_target`
-    hands it the loaded `DeepseekV41ForCausalLM`, whose embedding and head it calls.
+    draft model config's (vLLM's copy of the target config), else the model config's. On the V1 runner
+    `bind_target` hands it the loaded `DeepseekV41ForCausalLM`, whose embedding and head it calls; under vLLM's
+    V2 DSpark speculator (`VLLM_DEEPINFER_DSPARK_V2=1`) vLLM's loader shares them (`model.embed_tokens`,
+    `lm_head`) and the speculator calls the draft steps below in `draft`'s order.
     """
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
@@ -223,9 +248,15 @@ class DSparkDrafter(nn.Module):
         self.norm = RMSNorm(d, eps)
         self.markov_head = MarkovHead(arch.vocab_size, arch.dspark_markov_rank)
         self.confidence_head = ConfidenceHead(d + arch.dspark_markov_rank)
-        self._embed = self._logits = None  # the target's, set by bind_target (shared, not owned)
+        # the target's embedding and head (shared, not owned): set by bind_target on V1; on V2 vLLM's loader
+        # sets `model.embed_tokens` and `lm_head`, bound on first use (`_shared`)
+        self._embed = self._logits = None
+        self.model = SharedWithTarget(self.confidence_head)
+        self.logits_processor = LogitsProcessor(arch.vocab_size)  # over the shared head, on V2
+        self.block_len = spec.num_speculative_tokens if spec is not None else 0
         # confidence-scheduled verification (DEEPINFER_ENABLE_MTP_VARLEN): the proposer feeds it c_k,
-        # patches/draft_lengths.py trims the drafts the runner hands to the scheduler
+        # patches/draft_lengths.py trims the drafts the runner hands to the scheduler (the V1 runner's hooks;
+        # unused where vLLM's V2 speculator drives this module)
         self.draft_policy = policy_for(vllm_config, "DSpark drafter") if spec is not None else None
         if ops.packed_storage(ops.FP8_LINEARS_ENV, torch.device(vllm_config.device_config.device).type):
             fp8 = {draft_name(n) for n, (dtype, _) in expected_tensors(arch).items()
@@ -236,15 +267,54 @@ class DSparkDrafter(nn.Module):
         """Use `target`'s embedding and head (`embed_input_ids`, `compute_logits`)."""
         self._embed, self._logits = target.embed_input_ids, target.compute_logits
 
-    def context_features(self, aux: torch.Tensor) -> torch.Tensor:
-        """aux: [T, n_targets, D] stream means entering the target layers (in config order) -> main_x [T, D]."""
-        return self.main_norm(self.main_proj(aux.flatten(1)))
+    def _shared(self) -> None:
+        """Bind the target's embedding and head that vLLM's V2 loader (`load_dspark_model`) set on this module."""
+        if self._embed is not None:
+            return
+        head = self._modules.get("lm_head")
+        if self.model.embed_tokens is None or head is None:
+            raise RuntimeError("DSpark drafter: no target embedding and head (bind_target, or vLLM's V2 loader)")
+        self._embed, self._logits = self.model.embed_tokens, functools.partial(self.logits_processor, head)
+
+    # -- the steps of a draft: `draft` composes them on the V1 runner; vLLM's V2 `DSparkSpeculator`
+    #    (`v1/worker/gpu/spec_decode/dspark/speculator.py`) calls them in the same order --
+
+    def combine_hidden_states(self, aux: torch.Tensor) -> torch.Tensor:
+        """aux: [T, n_targets * D] stream means entering the target layers (config order, concatenated)
+        -> main_x [T, D]."""
+        return self.main_norm(self.main_proj(aux))
+
+    def block_hidden(self, ids: torch.Tensor, block: DraftBatch) -> torch.Tensor:
+        """ids: [B * N] block token ids (anchor, then noise) -> pre-norm hidden h_k [B * N, D]."""
+        self._shared()
+        streams = self._embed(ids).unsqueeze(1).expand(-1, self.arch.hc_mult, -1).contiguous()
+        carry = None
+        for stage in self.stages:
+            streams, carry = stage(streams, carry, ids, block)
+        return ops.hc_collapse(streams, carry)
+
+    def compute_draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [T, D] pre-norm -> U [T, V] fp32 (the target's head)."""
+        self._shared()
+        return self._logits(self.norm(hidden)).float()
+
+    def markov_embed(self, prev: torch.Tensor) -> torch.Tensor:
+        """prev: [B] previous token ids -> psi [B, r]."""
+        return self.markov_head.embed(prev.long())
+
+    def markov_bias(self, psi: torch.Tensor) -> torch.Tensor:
+        """psi: [B, r] -> logit bias [B, V] fp32."""
+        return self.markov_head.head(psi).float()
+
+    def compute_confidence(self, hidden: torch.Tensor, psi: torch.Tensor) -> torch.Tensor:
+        """hidden: [T, D] pre-norm; psi: [T, r] -> c [T] in (0, 1)."""
+        return self.confidence_head(hidden, psi)
 
     def write_context(self, aux: torch.Tensor, req: torch.Tensor, positions: torch.Tensor,
                       attn_metadata: dict[str, PagedCacheMetadata], keep: torch.Tensor | None = None) -> None:
         """Context KV of T target tokens into every stage's window cache. aux: [T, n_targets, D];
         req, positions: [T] (block-table row and position of each token); keep: [T] rows to store (None: all)."""
-        main_x = self.context_features(aux)
+        main_x = self.combine_hidden_states(aux.flatten(1))
         for stage in self.stages:
             attn = stage.attn
             attn.write_context(main_x, req, positions, attn_metadata[attn.window_cache.prefix], keep)
@@ -255,27 +325,54 @@ class DSparkDrafter(nn.Module):
         """Draft N = block.n tokens after each anchor [B] (the token the target just sampled, at
         block.anchor_pos). temperature, seeds, top_k, top_p: [B] (temperature None = greedy; rows with T = 0 are
         greedy); the draw of block row k is keyed by its token's position, anchor_pos + k + 1."""
-        b, n, h = anchor.shape[0], block.n, self.arch.hc_mult
+        b, n = anchor.shape[0], block.n
         ids = torch.full((b, n), self.noise, dtype=torch.long, device=anchor.device)
         ids[:, 0] = anchor
-        ids = ids.flatten()
-        streams = self._embed(ids).unsqueeze(1).expand(-1, h, -1).contiguous()
-        carry = None
-        for stage in self.stages:
-            streams, carry = stage(streams, carry, ids, block)
-        hidden = ops.hc_collapse(streams, carry)                                  # [B * N, D], pre-norm
-        base = self._logits(self.norm(hidden)).float().view(b, n, -1)            # U [B, N, V]
+        hidden = self.block_hidden(ids.flatten(), block)                          # [B * N, D], pre-norm
+        base = self.compute_draft_logits(hidden).view(b, n, -1)                   # U [B, N, V]
         positions = block.positions.view(b, n)
         prev, tokens, logits, psis = anchor.long(), [], [], []
         for k in range(n):
-            psi = self.markov_head.embed(prev)                                    # [B, r]
-            logits_k = base[:, k] + self.markov_head.head(psi).float()
+            psi = self.markov_embed(prev)                                         # [B, r]
+            logits_k = base[:, k] + self.markov_bias(psi)
             prev = sample(logits_k, temperature, seeds, positions[:, k] + 1, top_k, top_p)
             tokens.append(prev)
             logits.append(logits_k)
             psis.append(psi)
-        confidence = self.confidence_head(hidden, torch.stack(psis, dim=1).flatten(0, 1)).view(b, n)
+        confidence = self.compute_confidence(hidden, torch.stack(psis, dim=1).flatten(0, 1)).view(b, n)
         return Draft(torch.stack(tokens, dim=1), torch.stack(logits, dim=1), confidence)
+
+    # -- the rest of vLLM's V2 DSpark surface (`VLLM_DEEPINFER_DSPARK_V2=1`, `patches/drafters_v1.py`) --
+
+    draft_id_to_target_id = None  # the draft vocabulary is the target's
+
+    def map_draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids
+
+    def get_draft_kv_cache_layer_names(self) -> list[str]:
+        """The stages' window caches, in stage order (vLLM hands one context slot list per name)."""
+        return [stage.attn.window_cache.prefix for stage in self.stages]
+
+    def precompute_and_store_context_kv(self, main_x: torch.Tensor, positions: torch.Tensor,
+                                        slots: list[torch.Tensor] | torch.Tensor | None = None) -> None:
+        """main_x: [T, D] (`combine_hidden_states`); positions: [T]; slots: per stage (or one for all) [T] flat
+        window-cache rows, -1 = none (vLLM's slot mapping of the stage's KV-cache group). None (vLLM's profile
+        run): nothing stored."""
+        if slots is None:
+            return
+        per_stage = slots if isinstance(slots, (list, tuple)) else [slots] * len(self.stages)
+        for stage, stage_slots in zip(self.stages, per_stage, strict=True):
+            stage.attn.store_context(main_x, positions, stage_slots)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """V2 draft step: input_ids, positions [B * N] (per request the anchor at P + 1, then N - 1 noise tokens;
+        the forward context holds the window caches' metadata by layer name) -> pre-norm hidden [B * N, D]."""
+        n = self.block_len
+        b = input_ids.shape[0] // n
+        block = DraftBatch(torch.arange(b, device=input_ids.device), positions.view(b, n)[:, 0].long(), n,
+                           get_forward_context().attn_metadata)
+        return self.block_hidden(input_ids.long(), block)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """The `mtp.*` tensors of a V4.1 checkpoint (others are skipped); the set must be exactly the
