@@ -154,7 +154,11 @@ class PagedCache(nn.Module, AttentionLayerBase):
         """Store rows `row_ids` [N] of request(s) `req`; values: [N, width]; rows where `keep` [N] is
         False go to the null block (fixed shapes for the decode path)."""
         if row_ids.numel():
-            self.rows[self.row_slots(meta, req, row_ids, keep=keep)] = values.to(self.dtype)
+            self.store_rows(self.row_slots(meta, req, row_ids, keep=keep), values)
+
+    def store_rows(self, slots: torch.Tensor, values: torch.Tensor) -> None:
+        """Store values [N, width] at flat slots [N] of `rows` (0 = the null block, for writes to drop)."""
+        self.rows[slots] = values.to(self.dtype)
 
     def read(self, meta: PagedCacheMetadata, req: int | torch.Tensor, row_ids: torch.Tensor) -> torch.Tensor:
         """Load rows `row_ids` [...] of request(s) `req` -> [..., width]."""

@@ -76,9 +76,7 @@ def dspark_on_v2(vllm_config) -> bool:
     from vllm_deepinfer import ops
     from vllm_deepinfer.spec_decode.proposer import varlen_requested
 
-    if os.environ.get(DSPARK_V2_ENV, "0").strip().lower() in ("", "0", "false", "no", "off"):
-        return False
-    if not deepinfer_dspark(vllm_config):
+    if os.environ.get(DSPARK_V2_ENV, "0") != "1" or not deepinfer_dspark(vllm_config):
         return False
     if varlen_requested(vllm_config.speculative_config) or ops.invariant_requested(vllm_config):
         _warn_v2_ignored()

@@ -136,14 +136,13 @@ class DSparkAttention(Attention):
                       meta: PagedCacheMetadata, keep: torch.Tensor | None = None) -> None:
         """main_x: [T, D]; req, positions: [T] -> this stage's window KV of those tokens, stored (rows where
         `keep` [T] is False go to the null block)."""
-        cos, sin = self.rope.cos_sin(positions)
-        self.window_cache.write(meta, req, positions, self._keys(main_x, cos, sin), keep=keep)
+        self.store_context(main_x, positions, self.window_cache.row_slots(meta, req, positions, keep=keep))
 
     def store_context(self, main_x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
-        """main_x: [T, D]; positions: [T]; slots: [T] flat rows of the window cache (vLLM's slot mapping: block
-        id * block size + position % block size; -1 = store nothing, sent to the null block) -> stored."""
+        """main_x: [T, D]; positions: [T]; slots: [T] flat rows of the window cache (0 = the null block, for rows
+        to drop) -> stored."""
         cos, sin = self.rope.cos_sin(positions)
-        self.window_cache.rows[slots.clamp(min=0)] = self._keys(main_x, cos, sin).to(self.window_cache.dtype)
+        self.window_cache.store_rows(slots, self._keys(main_x, cos, sin))
 
     def forward(self, x: torch.Tensor, block: DraftBatch) -> torch.Tensor:
         """x: [B * N, D] (normalised, request-major) -> [B * N, D].
@@ -354,15 +353,14 @@ class DSparkDrafter(nn.Module):
         return [stage.attn.window_cache.prefix for stage in self.stages]
 
     def precompute_and_store_context_kv(self, main_x: torch.Tensor, positions: torch.Tensor,
-                                        slots: list[torch.Tensor] | torch.Tensor | None = None) -> None:
-        """main_x: [T, D] (`combine_hidden_states`); positions: [T]; slots: per stage (or one for all) [T] flat
-        window-cache rows, -1 = none (vLLM's slot mapping of the stage's KV-cache group). None (vLLM's profile
-        run): nothing stored."""
+                                        slots: list[torch.Tensor] | None = None) -> None:
+        """main_x: [T, D] (`combine_hidden_states`); positions: [T]; slots: per stage (the order of
+        `get_draft_kv_cache_layer_names`) [T] flat window-cache rows, -1 = none (vLLM's slot mapping of the
+        stage's KV-cache group). None (vLLM's profile run): nothing stored."""
         if slots is None:
             return
-        per_stage = slots if isinstance(slots, (list, tuple)) else [slots] * len(self.stages)
-        for stage, stage_slots in zip(self.stages, per_stage, strict=True):
-            stage.attn.store_context(main_x, positions, stage_slots)
+        for stage, stage_slots in zip(self.stages, slots, strict=True):
+            stage.attn.store_context(main_x, positions, stage_slots.clamp(min=0))  # vLLM's -1 -> the null block
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
