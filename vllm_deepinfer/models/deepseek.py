@@ -301,7 +301,8 @@ class DeepseekForCausalLM(nn.Module, DeepseekMixtureOfExperts):
         self.max_num_tokens = vllm_config.scheduler_config.max_num_batched_tokens
 
     def get_model_state_cls(self):
-        """V2 model runner: a ModelState that hands the prompt lengths to bounded replay."""
+        """V2 model runner: a ModelState that hands the builders the prompt lengths (bounded replay) and the
+        leading requests adaptive verification may have trimmed (`models/step.py`)."""
         return replay.replay_model_state_cls()
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:

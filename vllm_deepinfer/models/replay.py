@@ -45,7 +45,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from vllm_deepinfer.attention.backend import step_prompt_lens
+from vllm_deepinfer.attention.backend import step_hints
 from vllm_deepinfer.config import V41, ArchConfig
 from vllm_deepinfer.log import get_logger
 
@@ -185,8 +185,10 @@ def dp_rows(agreed: torch.Tensor | None, k: int) -> Iterator[None]:
 
 
 def replay_model_state_cls():
-    """V2 model runner: DefaultModelState that hands each step's prompt lengths to the metadata builders
-    (-1 for requests that ask for prompt logprobs). Imported only by the V2 runner (CUDA)."""
+    """V2 model runner: DefaultModelState that hands the metadata builders each step's prompt lengths (-1 for
+    requests that ask for prompt logprobs) and, under adaptive verification, the number of leading requests
+    with drafts, whose host query lengths the runner may have split evenly (`attention.backend.step_hints`;
+    vLLM orders requests with drafts first). Imported only by the V2 runner (CUDA)."""
     import numpy as np
     from vllm.v1.worker.gpu.model_states.default import DefaultModelState
 
@@ -194,6 +196,8 @@ def replay_model_state_cls():
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.prompt_lens = np.full(self.max_num_reqs, -1, dtype=np.int64)
+            spec = self.vllm_config.speculative_config
+            self.adaptive = spec is not None and spec.enable_adaptive_verification
 
         def add_request(self, req_index, new_req_data) -> None:
             super().add_request(req_index, new_req_data)
@@ -203,7 +207,9 @@ def replay_model_state_cls():
 
         def prepare_attn(self, input_batch, *args, **kwargs):
             lens = self.prompt_lens[input_batch.idx_mapping_np[: input_batch.num_reqs]].tolist()
-            with step_prompt_lens(lens):
+            drafts = input_batch.num_draft_tokens_per_req
+            trimmed = int(np.count_nonzero(drafts)) if self.adaptive and drafts is not None else 0
+            with step_hints(lens, trimmed):
                 return super().prepare_attn(input_batch, *args, **kwargs)
 
     return ReplayModelState

@@ -184,9 +184,11 @@ class StepBatch:
 
     The first `n_dec` tokens take every layer's fixed-shape per-token path (`req` [n_dec] block-table
     row of each token, `live` [n_dec] False for the padding of a captured CUDA graph), which reads no
-    host copy of the batch layout: in a mixed step the one-token requests (vLLM orders decodes first;
-    token i is request i); in a step of at most 1 + k tokens per request (decode, or the verification of
-    up to k drafts: `PagedCacheMetadata.per_token`) every token. The path writes every
+    host copy of the batch layout: in a mixed step the leading one-token requests (vLLM orders decodes first;
+    token i is request i), and under adaptive verification first the leading verification requests whose
+    host lengths may be an even split of the drafts (`PagedCacheMetadata.num_trimmed`; their tokens' requests
+    come from the device offsets, their host total is exact); in a step of at most 1 + k tokens per request
+    (decode, or the verification of up to k drafts: `PagedCacheMetadata.per_token`) every token. The path writes every
     token's cache rows before reading any, so a request's earlier tokens of the step are visible to its
     later ones. `spans` are the remaining requests (prefill chunks), all handled at once through
     `prefill` (None when there are none: a per-token step, what vLLM captures as a full CUDA graph).
@@ -308,20 +310,31 @@ class StepBatch:
         meta = next(iter(attn_metadata.values()))
         t, dev = token_ids.shape[0], token_ids.device
         if meta.per_token or ops.batch_invariant():  # decode / verification (maybe graph-padded); invariant: all
-            qsl, i = meta.query_start_loc_device, torch.arange(t, device=dev)
-            req = torch.searchsorted(qsl[1:], i.to(qsl.dtype), right=True).clamp(max=meta.num_reqs - 1)
-            live = (i < qsl[-1]) & (meta.seq_lens[req] > 0)
-            return cls(token_ids, positions, [], attn_metadata, n_dec=t, req=req.long(), live=live)
+            qsl = meta.query_start_loc_device
+            req = _token_requests(qsl, t)
+            live = (torch.arange(t, device=dev) < qsl[-1]) & (meta.seq_lens[req] > 0)
+            return cls(token_ids, positions, [], attn_metadata, n_dec=t, req=req, live=live)
         qsl = meta.query_start_loc[: meta.num_reqs + 1]                 # host tensor
-        one = (qsl[1:] - qsl[:-1]) == 1
-        n_dec = int(torch.cumprod(one.long(), 0).sum()) if one.numel() else 0
+        lead = (qsl[1:] - qsl[:-1]) == 1
+        lead[: meta.num_trimmed] = True  # trimmed verifications: host lengths may be split, their total is exact
+        n_lead = int(torch.cumprod(lead.long(), 0).sum()) if lead.numel() else 0
+        n_dec = int(qsl[n_lead])
+        req = _token_requests(meta.query_start_loc_device[: n_lead + 1], n_dec) if meta.num_trimmed \
+            else torch.arange(n_dec, device=dev)
         if meta.seq_lens_cpu is not None:  # host copy: first position = tokens after the step - tokens of the step
             firsts = (meta.seq_lens_cpu[: meta.num_reqs] - (qsl[1:] - qsl[:-1])).tolist()
         else:  # one device read per step
             firsts = positions[qsl[:-1].clamp(max=max(positions.numel() - 1, 0)).to(positions.device)].tolist()
         qsl = qsl.tolist()
         prompt_lens = list(meta.prompt_lens) if replay and meta.prompt_lens is not None else [-1] * meta.num_reqs
-        spans = [RequestSpan(r, qsl[r], qsl[r + 1], firsts[r], int(prompt_lens[r])) for r in range(n_dec, meta.num_reqs)
+        spans = [RequestSpan(r, qsl[r], qsl[r + 1], firsts[r], int(prompt_lens[r])) for r in range(n_lead, meta.num_reqs)
                  if qsl[r + 1] > qsl[r]]
-        return cls(token_ids, positions, spans, attn_metadata, n_dec=n_dec, req=torch.arange(n_dec, device=dev),
+        return cls(token_ids, positions, spans, attn_metadata, n_dec=n_dec, req=req,
                    live=torch.ones(n_dec, dtype=torch.bool, device=dev))
+
+
+def _token_requests(qsl: torch.Tensor, n_tokens: int) -> torch.Tensor:
+    """Block-table row of each of the first `n_tokens` tokens, [n_tokens] int64, from device offsets qsl [R + 1]
+    (tokens past qsl[R], graph padding, get row R - 1)."""
+    i = torch.arange(n_tokens, device=qsl.device)
+    return torch.searchsorted(qsl[1:], i.to(qsl.dtype), right=True).clamp(max=qsl.numel() - 2).long()

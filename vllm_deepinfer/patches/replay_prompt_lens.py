@@ -8,7 +8,7 @@ prompt lengths only for R-SWA models and would switch that feature on). The runn
 input batch (`num_prompt_tokens`, `req_ids`) and `num_prompt_logprobs`
 (`vllm/v1/worker/gpu_model_runner.py`). This patch wraps `GPUModelRunner._build_attention_metadata`
 (which the CPU runner inherits) to hand them, in batch order, to our builders for the duration of the
-call (`attention.backend.step_prompt_lens`); other models' builders never read them. The V2 runner
+call (`attention.backend.step_hints`); other models' builders never read them. The V2 runner
 (GPU) needs no patch: the model supplies its own ModelState (`models/replay.py`).
 
 Applied by the model's constructor when replay is on (not by `apply_all`): the runner module is
@@ -23,7 +23,7 @@ import functools
 def apply() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from vllm_deepinfer.attention.backend import step_prompt_lens
+    from vllm_deepinfer.attention.backend import step_hints
 
     original = GPUModelRunner._build_attention_metadata
     if getattr(original, "_deepinfer", False):
@@ -35,7 +35,7 @@ def apply() -> None:
         lens = batch.num_prompt_tokens[:num_reqs].tolist()
         if self.num_prompt_logprobs:
             lens = [-1 if rid in self.num_prompt_logprobs else n for rid, n in zip(batch.req_ids, lens)]
-        with step_prompt_lens(lens):
+        with step_hints(lens):
             return original(self, num_tokens, num_reqs, *args, **kwargs)
 
     build._deepinfer = True
