@@ -18,10 +18,13 @@ Three wraps, each active only for DeepInfer's target and drafter:
   maps onto our draft-length policy, `spec_decode.proposer.policy_for`);
 * the V2 list gains "DeepInfer's DSpark drafter" or "DeepInfer's MTP drafter with ...", so vLLM picks V1 on GPU
   too (or refuses V2 by name when `VLLM_USE_V2_MODEL_RUNNER=1`). Opt-in `VLLM_DEEPINFER_DSPARK_V2=1` leaves
-  fixed-length DSpark to vLLM's runner choice (V2 on CUDA): vLLM's own `DSparkSpeculator` then drives our
-  drafter through the surface it calls (`spec_decode/dspark.py`) and the target's aux hidden states
-  (`DeepseekV41ForCausalLM.set_aux_hidden_state_layers`). Varlen (our policy) and batch-invariant drafts exist
-  only on V1, so with either the variable is ignored, with a warning. Not yet run on a GPU (NOTES.md);
+  DSpark to vLLM's runner choice (V2 on CUDA; V1 on CPU, which has no Triton): vLLM's own `DSparkSpeculator`
+  then drives our drafter through the surface it calls (`spec_decode/dspark.py`) and the target's aux hidden
+  states (`DeepseekV41ForCausalLM.set_aux_hidden_state_layers`). Varlen there is vLLM's adaptive verification
+  (`enable_adaptive_verification`; `patches/speculative_settings.py` maps `DEEPINFER_ENABLE_MTP_VARLEN=1` onto
+  it where V2 runs with full CUDA graphs); where it did not map, varlen keeps our V1 policy. Batch-invariant
+  drafts exist only on V1. In those two cases the variable is ignored, with a warning. Not yet run on a GPU
+  (NOTES.md);
 * after `GPUModelRunner.__init__` (inherited by `CPUModelRunner`) the DSpark runner's drafter is our
   `spec_decode.dspark_proposer.DSparkProposer`, an `EagleProposer` subclass, so the runner's isinstance checks and
   its eagle code path (input preparation, draft KV group, `propose`) apply unchanged.
@@ -46,39 +49,48 @@ DSPARK_ARCH = "DSparkV41DraftModel"
 MTP_ARCH = "DeepSeekV4MTPModel"
 
 
-def _deepinfer_drafter(vllm_config, method: str, arch: str) -> bool:
-    """Whether `vllm_config` speculates with `method` through DeepInfer's drafter `arch` on a DeepInfer target."""
+def _deepinfer_drafter(spec, model_config, method: str, arch: str) -> bool:
+    """Whether speculative config `spec` speculates with `method` through DeepInfer's drafter `arch` on the
+    DeepInfer target of `model_config`."""
     from vllm_deepinfer.registry import DRAFT_MODELS, is_deepinfer_model
 
-    spec = vllm_config.speculative_config
     if spec is None or spec.method != method or spec.draft_model_config is None:
         return False
     archs = spec.draft_model_config.hf_config.architectures or []
-    return arch in archs and arch in DRAFT_MODELS and is_deepinfer_model(vllm_config.model_config)
+    return arch in archs and arch in DRAFT_MODELS and is_deepinfer_model(model_config)
 
 
 def deepinfer_dspark(vllm_config) -> bool:
     """Whether `vllm_config` runs DSpark with DeepInfer's target and drafter."""
-    return _deepinfer_drafter(vllm_config, "dspark", DSPARK_ARCH)
+    return _deepinfer_drafter(vllm_config.speculative_config, vllm_config.model_config, "dspark", DSPARK_ARCH)
 
 
 DSPARK_V2_ENV = "VLLM_DEEPINFER_DSPARK_V2"
 
 
+def dspark_opt_in(spec, model_config) -> bool:
+    """`VLLM_DEEPINFER_DSPARK_V2=1` and speculative config `spec` runs DeepInfer's DSpark on `model_config`."""
+    return os.environ.get(DSPARK_V2_ENV, "0") == "1" and _deepinfer_drafter(spec, model_config, "dspark", DSPARK_ARCH)
+
+
 @functools.cache
 def _warn_v2_ignored() -> None:
-    logger.warning("%s ignored: varlen and batch-invariant drafts run on vLLM's V1 runner", DSPARK_V2_ENV)
+    logger.warning("%s ignored: batch-invariant drafts, and DEEPINFER_ENABLE_MTP_VARLEN where it did not become "
+                   "vLLM's adaptive verification (no full CUDA graphs), run on vLLM's V1 runner", DSPARK_V2_ENV)
 
 
 def dspark_on_v2(vllm_config) -> bool:
-    """Whether DeepInfer's DSpark may run under vLLM's V2 DSpark speculator: `VLLM_DEEPINFER_DSPARK_V2=1` and a
-    fixed draft length outside batch-invariant mode (varlen and coupled drafts are V1 hooks)."""
+    """Whether DeepInfer's DSpark may run under vLLM's V2 DSpark speculator: `dspark_opt_in`, outside
+    batch-invariant mode, and varlen asked for by `DEEPINFER_ENABLE_MTP_VARLEN` only where it became
+    `enable_adaptive_verification` (V2's own varlen; `patches/speculative_settings.py`): coupled drafts and our
+    varlen policy are V1 hooks."""
     from vllm_deepinfer import ops
-    from vllm_deepinfer.spec_decode.proposer import varlen_requested
+    from vllm_deepinfer.spec_decode.proposer import varlen_enabled
 
-    if os.environ.get(DSPARK_V2_ENV, "0") != "1" or not deepinfer_dspark(vllm_config):
+    spec = vllm_config.speculative_config
+    if not dspark_opt_in(spec, vllm_config.model_config):
         return False
-    if varlen_requested(vllm_config.speculative_config) or ops.invariant_requested(vllm_config):
+    if ops.invariant_requested(vllm_config) or (varlen_enabled() and not spec.enable_adaptive_verification):
         _warn_v2_ignored()
         return False
     return True
@@ -89,7 +101,7 @@ def deepinfer_mtp_on_v1(vllm_config) -> bool:
     from vllm_deepinfer import ops
     from vllm_deepinfer.spec_decode.proposer import varlen_requested
 
-    if not _deepinfer_drafter(vllm_config, "mtp", MTP_ARCH):
+    if not _deepinfer_drafter(vllm_config.speculative_config, vllm_config.model_config, "mtp", MTP_ARCH):
         return False
     return varlen_requested(vllm_config.speculative_config) or ops.invariant_requested(vllm_config)
 
