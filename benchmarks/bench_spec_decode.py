@@ -10,7 +10,9 @@ dspark on V4.1, mtp on V4). Each mode runs in its own subprocess (one engine eac
 vLLM's default scheduling), fixed (`{"method": M, "num_speculative_tokens": K}`), varlen (the same with
 DEEPINFER_ENABLE_MTP_VARLEN=1 and synchronous scheduling, which it needs); `--intree` adds vLLM's in-tree model
 (DEEPINFER_DISABLE=1) fixed, and for DSpark its adaptive verification (`enable_adaptive_verification`, V2 runner);
-`--modes ...,fixed-v2` adds ours fixed with VLLM_DEEPINFER_DSPARK_V2=1 (DSpark under vLLM's V2 speculator).
+`--modes ...,fixed-v2` adds ours fixed with VLLM_DEEPINFER_DSPARK_V2=1 (DSpark under vLLM's V2 speculator),
+`varlen-v2` ours with VLLM_DEEPINFER_DSPARK_V2=1 and DEEPINFER_ENABLE_MTP_VARLEN=1 (vLLM's adaptive verification
+on V2, vLLM's default scheduling).
 For each batch size B: B random prompts of --prompt-len tokens, greedy, --new-tokens each (ignore_eos), as
 `generate` calls after a warm-up call (prefix caching off, so all do the same work); per-user tok/s = new tokens /
 the median wall time of --reps calls; plus vLLM's spec-decode counters (acceptance rate, mean accepted length,
@@ -108,8 +110,8 @@ def host_profile(llm, args: argparse.Namespace, rng, params) -> None:
 
 def run_child(mode: str, args: argparse.Namespace, out: Path) -> dict:
     """One mode in its own process group, at most --mode-timeout s; the rows it printed count even if it is killed."""
-    env = dict(os.environ, DEEPINFER_ENABLE_MTP_VARLEN="1" if mode == "varlen" else "0",
-               VLLM_DEEPINFER_DSPARK_V2="1" if mode == "fixed-v2" else "0")
+    env = dict(os.environ, DEEPINFER_ENABLE_MTP_VARLEN="1" if mode in ("varlen", "varlen-v2") else "0",
+               VLLM_DEEPINFER_DSPARK_V2="1" if mode.endswith("-v2") else "0")
     if mode.startswith("intree"):
         env["DEEPINFER_DISABLE"] = "1"
     if args.host_profile:  # the engine core in this process, where cProfile sees it
@@ -154,7 +156,7 @@ def main() -> None:
     p.add_argument("--host-profile", action="store_true",
                    help="in-process engines; cProfile one extra batch-1 call per mode (printed in the mode's log)")
     p.add_argument("--device-smoke", action="store_true", help="CPU smoke run: eager, fp32, small sizes")
-    p.add_argument("--mode", choices=["off", "fixed", "fixed-v2", "varlen", "intree", "intree-varlen"],
+    p.add_argument("--mode", choices=["off", "fixed", "fixed-v2", "varlen", "varlen-v2", "intree", "intree-varlen"],
                    help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.device_smoke:

@@ -82,10 +82,11 @@ def step(ckpt_root):
 
 
 def test_split_host_offsets_give_the_exact_step(step):
-    """The mixed step with the host split and the trimmed count equals, bitwise (output and every cache row written), the
-    same step with exact host offsets and the count (both run the verifications on the per-token path), and,
-    within fp32 rounding, the step with exact offsets and no count (the V1 layout: the one-token verification
-    per-token, the others as prefill spans). Without the count the split host offsets give another step."""
+    """The mixed step with the host split and the trimmed count equals, bitwise (output and every cache row
+    written), the same step with exact host offsets and the count (both run the verifications on the per-token
+    path), and, within fp32 rounding, the step with exact offsets and no count (the V1 layout: the one-token
+    verification per-token, the others as prefill spans). Without the count the split host offsets give another
+    step."""
     g = torch.Generator().manual_seed(0)
     vocab = step.target.arch.vocab_size
     first = list(PROMPTS) + [0]                        # request 4 starts in step 2

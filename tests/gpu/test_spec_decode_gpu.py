@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -37,10 +38,11 @@ def _ckpt(name: str) -> Path:
     return path
 
 
-def _generate(ckpt: Path, spec: dict | None = None, **overrides) -> tuple[list[list[int]], str, int, int, int, str]:
+def _generate(ckpt: Path, spec: dict | None = None, setup: Callable | None = None,
+              **overrides) -> tuple[list[list[int]], str, int, int, int, str]:
     """Greedy 64 tokens for the 37/300/1000-token fidelity prompts in one batch -> (tokens, the engine's
     cudagraph mode, draft tokens vLLM counted, draft-step graphs DSpark's proposer captured, trimmed
-    verification steps that replayed a full graph, the model runner's module)."""
+    verification steps that replayed a full graph, the model runner's module). `setup(llm)` runs before."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -51,6 +53,8 @@ def _generate(ckpt: Path, spec: dict | None = None, **overrides) -> tuple[list[l
         kw["speculative_config"] = spec
     with engine(ckpt, **kw) as llm:
         mode = str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode)
+        if setup is not None:
+            setup(llm)
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts.values()],
                             SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True), use_tqdm=False)
         drafts = sum(int(m.value) for m in llm.get_metrics() if m.name == "vllm:spec_decode_num_draft_tokens")
@@ -111,4 +115,45 @@ def test_dspark_on_v2_equals_none(monkeypatch):
     got, mode, drafts, _, _, runner = _generate(ckpt, {"method": "dspark", "num_speculative_tokens": K})
     print(f"\nckpt-v41m dspark on V2 K={K}: runner {runner}, cudagraph_mode {mode}, {drafts} draft tokens")
     assert runner.startswith("vllm.v1.worker.gpu.") and drafts > 0
+    assert got == ref
+
+
+def test_dspark_varlen_on_v2_equals_none(monkeypatch):
+    """`VLLM_DEEPINFER_DSPARK_V2=1` + `DEEPINFER_ENABLE_MTP_VARLEN=1`: vLLM's V2 runner with its own adaptive
+    verification (`patches/speculative_settings.py` sets `enable_adaptive_verification`): drafts trimmed on the
+    device, host query offsets an even split of the draft budget (`models/step.py` reads the device ones), varlen
+    decode graphs, costs profiled at start-up. The tiny model's verification cost is flat, so the profiled costs
+    would verify every draft: the test sets a verify cost that jumps past 7 tokens (3 requests: 1 + 4 drafts of 9
+    in a decode step), so decode steps split the drafts unevenly. The tokens stay those of plain decode."""
+    ckpt = _ckpt("ckpt-v41m")
+    ref = _plain(ckpt)
+    monkeypatch.setenv("VLLM_DEEPINFER_DSPARK_V2", "1")
+    monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
+    seen = {"adaptive": False, "split": 0, "mixed_split": 0}
+
+    def steep_verify_cost_and_count_splits(llm) -> None:
+        runner = model_runner(llm)
+        manager = getattr(runner, "adaptive_verification", None)
+        spec = llm.llm_engine.vllm_config.speculative_config
+        seen["adaptive"] = manager is not None and spec.enable_adaptive_verification
+        if manager is None:
+            return
+        manager.set_cost_curves([(1, 0.0), (8, 0.0)], [(7, 1.0), (8, 1000.0)])
+        prepare = runner.model_state.prepare_attn
+
+        def counting(input_batch, *args, **kwargs):  # host vs device offsets of every real step (one sync each)
+            host = input_batch.query_start_loc_np
+            if not (input_batch.query_start_loc[: len(host)].cpu().numpy() == host).all():
+                seen["split"] += 1
+                seen["mixed_split"] += bool(input_batch.has_prefill)
+            return prepare(input_batch, *args, **kwargs)
+
+        runner.model_state.prepare_attn = counting
+
+    got, mode, drafts, _, _, runner = _generate(ckpt, {"method": "dspark", "num_speculative_tokens": K},
+                                                setup=steep_verify_cost_and_count_splits)
+    print(f"\nckpt-v41m dspark varlen on V2 K={K}: runner {runner}, cudagraph_mode {mode}, {drafts} draft tokens, "
+          f"{seen['split']} steps with split host offsets ({seen['mixed_split']} with a prefill)")
+    assert runner.startswith("vllm.v1.worker.gpu.") and seen["adaptive"] and drafts > 0
+    assert seen["split"] > 0, "no step ran with host offsets other than the device ones"
     assert got == ref

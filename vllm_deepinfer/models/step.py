@@ -327,8 +327,8 @@ class StepBatch:
             firsts = positions[qsl[:-1].clamp(max=max(positions.numel() - 1, 0)).to(positions.device)].tolist()
         qsl = qsl.tolist()
         prompt_lens = list(meta.prompt_lens) if replay and meta.prompt_lens is not None else [-1] * meta.num_reqs
-        spans = [RequestSpan(r, qsl[r], qsl[r + 1], firsts[r], int(prompt_lens[r])) for r in range(n_lead, meta.num_reqs)
-                 if qsl[r + 1] > qsl[r]]
+        spans = [RequestSpan(r, qsl[r], qsl[r + 1], firsts[r], int(prompt_lens[r]))
+                 for r in range(n_lead, meta.num_reqs) if qsl[r + 1] > qsl[r]]
         return cls(token_ids, positions, spans, attn_metadata, n_dec=n_dec, req=req,
                    live=torch.ones(n_dec, dtype=torch.bool, device=dev))
 
