@@ -39,6 +39,8 @@ from tests.conftest import engine, recorded_preemptions, tiny_checkpoint
 
 N_CASES = int(os.environ.get("DEEPINFER_INVARIANCE_CASES", "200"))
 N_COMPANION = 8
+N_REPLAY_CASES = int(os.environ.get("DEEPINFER_INVARIANCE_REPLAY_CASES", "40"))
+REPLAY_ENV = "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE"
 PER_CALL = 10     # batches whose requests go to the engine in one generate call
 TARGET_NEW = 4    # generated tokens of the target
 PRESSURE_NEW = 20  # generated tokens of the target of a pressure case (the last case of each generate call)
@@ -177,8 +179,12 @@ def model_dir(ckpt_root):
                            candidate_block_size=8)
 
 
-def _engine(model_dir, invariant: bool):
+def _engine(model_dir, invariant: bool, replay: bool = False):
+    """Bounded replay off unless `replay`: it rewinds every 128-token prefix hit of this model (keep 128), so
+    the property test keeps its prefix hits with replay off and `test_batch_invariant_with_bounded_replay`
+    covers replay."""
     os.environ["DEEPINFER_BATCH_INVARIANT"] = "1" if invariant else "0"
+    os.environ[REPLAY_ENV] = "compact" if replay else "none"
     return engine(model_dir, enable_prefix_caching=True, block_size=16, max_num_batched_tokens=BUDGET, max_num_seqs=16,
                   max_model_len=160, num_gpu_blocks_override=BLOCKS, scheduling_policy="priority", logits_processors=[CaptureLogits],
                   structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True})
@@ -191,6 +197,7 @@ def invariant_llm(model_dir):
             yield llm
     finally:
         os.environ.pop("DEEPINFER_BATCH_INVARIANT", None)
+        os.environ.pop(REPLAY_ENV, None)
 
 
 def test_batch_invariant(invariant_llm):
@@ -200,6 +207,40 @@ def test_batch_invariant(invariant_llm):
     if N_CASES >= 200:  # the default draw covers every situation the issue names
         assert seen["long target"] and seen["target prefix hit"] and seen["batch of 1"], seen
         assert seen["target preempted"], seen
+
+
+def _solo(llm, key: str) -> dict[int, tuple[list[int], list[torch.Tensor]]]:
+    """Prompt length -> (tokens, logits per generated position) of the short and the long target run alone."""
+    from vllm.inputs import TokensPrompt
+
+    out = {}
+    for p in _prompts(llm.llm_engine.model_config.get_vocab_size()):
+        res = llm.generate([TokensPrompt(prompt_token_ids=p)], _target_params(key, True, True, PRESSURE_NEW),
+                           use_tqdm=False)[0]
+        out[len(p)] = (list(res.outputs[0].token_ids), _logits(key))
+    return out
+
+
+def test_batch_invariant_with_bounded_replay(model_dir, invariant_llm):
+    """Bounded replay on (the V4.1 default) in invariant mode: layer 3 (past the cut) runs on each prompt's last
+    token only and layer 2 on its last 128, yet every target reproduces its solo run bit for bit among random
+    batches (chunked prefill, preemption and recompute; prefix hits are rewound by replay), and the solo run
+    equals full prefill (replay off, `invariant_llm`) bit for bit."""
+    full = _solo(invariant_llm, "full")
+    try:
+        with _engine(model_dir, invariant=True, replay=True) as llm:
+            replayed = _solo(llm, "replayed")
+            bad, seen = _run_cases(llm, N_REPLAY_CASES, case_seed=2, seeded=True)
+            counts = llm.apply_model(lambda m: dict(m.model.replay_counts))[0]
+    finally:
+        os.environ.pop("DEEPINFER_BATCH_INVARIANT", None)
+        os.environ.pop(REPLAY_ENV, None)
+    print(f"\nbatch invariance with bounded replay: {seen}, replay counts {counts}")
+    assert counts["past_cut_tokens"] < counts["prefill_tokens"], counts
+    for n, (tokens, logits) in full.items():
+        assert replayed[n][0] == tokens and all(map(torch.equal, replayed[n][1], logits)), f"{n}-token target"
+    assert not bad, f"{len(bad)}/{N_REPLAY_CASES} batches changed the target:\n" + "\n".join(bad[:10])
+    assert seen["target preempted"] or N_REPLAY_CASES < 40, seen
 
 
 def test_seeded_structured_output_is_batch_invariant(invariant_llm):
@@ -225,6 +266,7 @@ def test_default_path_is_batch_dependent(model_dir):
             bad, _ = _run_cases(llm, N_COMPANION, case_seed=1, seeded=False)
     finally:
         os.environ.pop("DEEPINFER_BATCH_INVARIANT", None)
+        os.environ.pop(REPLAY_ENV, None)
     print(f"\ninvariance off: {len(bad)}/{N_COMPANION} batches changed the target")
     assert bad, "invariance off, yet every batch reproduced the solo run: the property test could not fail"
 
@@ -240,6 +282,31 @@ def test_matmul_invariant_rows():
         for start, n in ((0, 40), (3, 17), (7, 2), (15, 25)):
             assert torch.equal(matmul_invariant(x[start:start + n], w), alone[start:start + n]), (k, n_out, start, n)
     assert not all(torch.equal((x[:n] @ w.t())[0], alone[0]) for n in (2, 5, 17, 40)), "plain mm is invariant here"
+
+
+def test_elementwise_invariant_rows(monkeypatch):
+    """A row's transcendental elementwise result does not depend on the row count (every element takes torch's
+    vectorized loop), with one thread and with two; without the padding some row count differs (AVX2 and
+    AVX-512 alike: 8-wide rows leave a scalar tail at most counts)."""
+    import torch.nn.functional as F
+
+    from vllm_deepinfer.ops import reference
+
+    monkeypatch.setattr(reference, "BATCH_INVARIANT", True)
+    x = torch.randn(70, 8, generator=torch.Generator().manual_seed(0)) * 3
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            for fn in (F.softplus, F.silu, torch.sigmoid):
+                alone = torch.cat([reference.elementwise(fn, x[i:i + 1]) for i in range(70)])
+                for n in range(1, 71):
+                    assert torch.equal(reference.elementwise(fn, x[:n]), alone[:n]), (n_threads, fn, n)
+        torch.set_num_threads(1)
+        assert not all(torch.equal(F.softplus(x[:n])[n - 1], F.softplus(x[n - 1:n])[0]) for n in range(1, 71)), \
+            "torch's softplus is row-invariant here: the check cannot fail"
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_seeded_noise_is_keyed_by_seed_and_position():

@@ -83,6 +83,9 @@ class Attention(nn.Module):
             if batch.prefill is not None:  # every prefill token's window row; the retained ones attend below
                 pf = batch.prefill
                 self.window_cache.write(batch.meta(self.window_cache), pf.req, pf.pos, kv[pf.start:pf.end])
+            elif batch.token_spans:  # batch-invariant mode: the same for every token of the step's requests
+                n = batch.token_spans[-1].end
+                self.window_cache.write(batch.meta(self.window_cache), batch.req[:n], batch.dec_positions[:n], kv[:n])
             r, batch = retained.rows, retained.batch
             x, cq, kv = x[r], cq[r], kv[r]
             if not r.shape[0]:  # every token of the step stops at this layer

@@ -159,11 +159,9 @@ class DeepseekModel(nn.Module):
         self.engram_prefetch = EngramPrefetch(engrams)
         if engrams:
             log_engram_placement(engrams)
-        # Batch-invariant mode prefills every layer over every token: replay's cut, prefix rewinds and window
-        # floors depend on a request's prompt length and chunking, which that mode must not see.
-        self.replay = None if ops.batch_invariant() else replay.resolve(arch, vllm_config.cache_config.swa_bounded_replay)
-        if ops.batch_invariant() and arch.family == V41:
-            logger.info("vllm-deepinfer: bounded replay off in batch-invariant mode (full prefill)")
+        # Batch-invariant mode too: there every token is computed by the per-token path, so dropping a request's
+        # early prompt tokens past the cut leaves every kept token's output bitwise unchanged (`StepBatch`).
+        self.replay = replay.resolve(arch, vllm_config.cache_config.swa_bounded_replay)
         if self.replay is not None:
             self._wire_replay(vllm_config.cache_config.enable_prefix_caching)
         self.data_parallel = vllm_config.parallel_config.data_parallel_size > 1
@@ -227,7 +225,7 @@ class DeepseekModel(nn.Module):
             retained = batch.retained(keep)
             with replay.dp_rows(dp_rows, l - cut):
                 streams, carry = layer(streams, carry, batch, retained)
-            if batch.spans:
+            if batch.replay_spans:
                 self._count_replay(l == cut, batch, retained)
             if retained is not None:
                 rows = retained.rows if rows is None else rows[retained.rows]
@@ -256,8 +254,8 @@ class DeepseekModel(nn.Module):
                     self.layers[l].ffn(x, token_ids)
 
     def _count_replay(self, at_cut: bool, batch: StepBatch, retained: Retained | None) -> None:
-        total = batch.prefill.n_tokens
-        kept = total if retained is None else (retained.batch.prefill.n_tokens if retained.batch.prefill else 0)
+        total = batch.replay_tokens()
+        kept = total if retained is None else retained.batch.replay_tokens()
         self.replay_counts["replay_rows"] += kept
         if at_cut:
             self.replay_counts["prefill_tokens"] += total

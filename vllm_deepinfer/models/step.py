@@ -197,9 +197,12 @@ class StepBatch:
     were never written (None: every row was).
 
     Batch-invariant mode (`ops.batch_invariant()`): every token takes the fixed-shape per-token path
-    (`req[i]` = the request of token i, `spans` empty; bounded replay is off), so a
-    token's keys, index scores, selection and pooled groups are computed by the same ops in the same
-    order whether it is decoded, prefilled, or recomputed, and whatever chunk it falls in.
+    (`req[i]` = the request of token i, `spans` empty), so a token's keys, index scores, selection and
+    pooled groups are computed by the same ops in the same order whether it is decoded, prefilled, or
+    recomputed, and whatever chunk it falls in. With bounded replay on, `token_spans` describe the requests
+    of such a step on the host (token ranges, first positions, prompt lengths) so that `retained` can drop
+    a request's early prompt tokens past the cut; every kept token is still computed by the same per-token
+    ops, so its output is bitwise that of full prefill (empty in decode steps, where no token drops).
     """
 
     token_ids: torch.Tensor
@@ -213,6 +216,7 @@ class StepBatch:
     candidates: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     prefill: PrefillLayout | None = None
     replay_keep: int | None = None
+    token_spans: list[RequestSpan] = dataclasses.field(default_factory=list)
     _rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
@@ -251,25 +255,42 @@ class StepBatch:
     def __iter__(self) -> Iterator[RequestSpan]:
         return iter(self.spans)
 
+    @property
+    def replay_spans(self) -> list[RequestSpan]:
+        """The requests bounded replay may trim: the prefill spans, or in batch-invariant mode `token_spans`."""
+        return self.token_spans or self.spans
+
+    def replay_tokens(self) -> int:
+        """Tokens of `replay_spans` (host int)."""
+        return sum(s.end - s.start for s in self.replay_spans)
+
     def retained(self, keep: int) -> Retained | None:
         """Bounded replay: the sub-batch of the tokens among their request's last `keep` prompt
-        positions (every one-token request, the kept tail of each span); None when no token drops.
+        positions (every one-token request, the kept tail of each span; in batch-invariant mode the kept
+        tail of each request's tokens, all on the per-token path); None when no token drops.
         The sub-batch keeps this batch's `replay_keep` (the window floor of the layer it runs in)."""
-        if not any(s.replay_skip(keep) for s in self.spans):
+        spans = self.replay_spans
+        if not any(s.replay_skip(keep) for s in spans):
             return None
-        t = self.n_dec
-        parts, spans = [np.arange(t)], []
-        for s in self.spans:
+        per_token = bool(self.token_spans)
+        t = 0 if per_token else self.n_dec
+        parts, kept = [np.arange(t)], []
+        for s in spans:
             skip = s.replay_skip(keep)
             n = s.end - s.start - skip
             if n:
                 parts.append(np.arange(s.start + skip, s.end))
-                spans.append(RequestSpan(s.req, t, t + n, s.first_pos + skip, s.prompt_len))
+                kept.append(RequestSpan(s.req, t, t + n, s.first_pos + skip, s.prompt_len))
                 t += n
         rows, = _dev(np.concatenate(parts), device=self.token_ids.device)  # host-built: one copy per layer
-        sub = StepBatch(self.token_ids[rows], self.positions[rows], spans, self.attn_metadata, self.n_dec, self.req,
-                        self.live, {l: v[rows] for l, v in self.topk.items()},
-                        {l: v[rows] for l, v in self.candidates.items()}, replay_keep=self.replay_keep)
+        topk = {l: v[rows] for l, v in self.topk.items()}
+        candidates = {l: v[rows] for l, v in self.candidates.items()}
+        if per_token:
+            sub = StepBatch(self.token_ids[rows], self.positions[rows], [], self.attn_metadata, t, self.req[rows],
+                            self.live[rows], topk, candidates, replay_keep=self.replay_keep, token_spans=kept)
+        else:
+            sub = StepBatch(self.token_ids[rows], self.positions[rows], kept, self.attn_metadata, self.n_dec,
+                            self.req, self.live, topk, candidates, replay_keep=self.replay_keep)
         return Retained(rows, sub)
 
     def replay_rows(self, keeps: tuple[int, ...]) -> list[int]:
@@ -277,11 +298,11 @@ class StepBatch:
         `retained` calls give them: every token (padding too) until one drops, then the one-token requests
         plus each span's kept tail."""
         rows, dropped = [], False
+        base = 0 if self.token_spans else self.n_dec
         for keep in keeps:
-            skips = [s.replay_skip(keep) for s in self.spans]
+            skips = [s.replay_skip(keep) for s in self.replay_spans]
             dropped = dropped or any(skips)
-            rows.append(self.n_dec + sum(s.end - s.start for s in self.spans) - sum(skips) if dropped
-                        else self.token_ids.shape[0])
+            rows.append(base + self.replay_tokens() - sum(skips) if dropped else self.token_ids.shape[0])
         return rows
 
     def with_replay_keep(self, keep: int) -> "StepBatch":
@@ -313,7 +334,9 @@ class StepBatch:
             qsl = meta.query_start_loc_device
             req = _token_requests(qsl, t)
             live = (torch.arange(t, device=dev) < qsl[-1]) & (meta.seq_lens[req] > 0)
-            return cls(token_ids, positions, [], attn_metadata, n_dec=t, req=req, live=live)
+            # invariant mode with replay: host spans of a step that may drop tokens (not decode: no host work)
+            spans = _request_spans(meta, positions, replay, 0) if replay and not meta.per_token else []
+            return cls(token_ids, positions, [], attn_metadata, n_dec=t, req=req, live=live, token_spans=spans)
         qsl = meta.query_start_loc[: meta.num_reqs + 1]                 # host tensor
         lead = (qsl[1:] - qsl[:-1]) == 1
         lead[: meta.num_trimmed] = True  # trimmed verifications: host lengths may be split, their total is exact
@@ -321,16 +344,22 @@ class StepBatch:
         n_dec = int(qsl[n_lead])
         req = _token_requests(meta.query_start_loc_device[: n_lead + 1], n_dec) if meta.num_trimmed \
             else torch.arange(n_dec, device=dev)
-        if meta.seq_lens_cpu is not None:  # host copy: first position = tokens after the step - tokens of the step
-            firsts = (meta.seq_lens_cpu[: meta.num_reqs] - (qsl[1:] - qsl[:-1])).tolist()
-        else:  # one device read per step
-            firsts = positions[qsl[:-1].clamp(max=max(positions.numel() - 1, 0)).to(positions.device)].tolist()
-        qsl = qsl.tolist()
-        prompt_lens = list(meta.prompt_lens) if replay and meta.prompt_lens is not None else [-1] * meta.num_reqs
-        spans = [RequestSpan(r, qsl[r], qsl[r + 1], firsts[r], int(prompt_lens[r]))
-                 for r in range(n_lead, meta.num_reqs) if qsl[r + 1] > qsl[r]]
-        return cls(token_ids, positions, spans, attn_metadata, n_dec=n_dec, req=req,
-                   live=torch.ones(n_dec, dtype=torch.bool, device=dev))
+        return cls(token_ids, positions, _request_spans(meta, positions, replay, n_lead), attn_metadata, n_dec=n_dec,
+                   req=req, live=torch.ones(n_dec, dtype=torch.bool, device=dev))
+
+
+def _request_spans(meta: PagedCacheMetadata, positions: torch.Tensor, replay: bool, first: int) -> list[RequestSpan]:
+    """Host spans of the step's requests `first`.. (those with tokens; host offsets exact from `first` on), with
+    their prompt lengths when `replay` (bounded replay on and the runner gave them; else -1)."""
+    qsl = meta.query_start_loc[: meta.num_reqs + 1]                     # host tensor
+    if meta.seq_lens_cpu is not None:  # host copy: first position = tokens after the step - tokens of the step
+        firsts = (meta.seq_lens_cpu[: meta.num_reqs] - (qsl[1:] - qsl[:-1])).tolist()
+    else:  # one device read per step
+        firsts = positions[qsl[:-1].clamp(max=max(positions.numel() - 1, 0)).to(positions.device)].tolist()
+    qsl = qsl.tolist()
+    prompt_lens = list(meta.prompt_lens) if replay and meta.prompt_lens is not None else [-1] * meta.num_reqs
+    return [RequestSpan(r, qsl[r], qsl[r + 1], firsts[r], int(prompt_lens[r]))
+            for r in range(first, meta.num_reqs) if qsl[r + 1] > qsl[r]]
 
 
 def _token_requests(qsl: torch.Tensor, n_tokens: int) -> torch.Tensor:
