@@ -19,18 +19,22 @@ BATCH_INVARIANT = False
 INVARIANT_ROWS = 16  # row tile of `matmul_invariant`
 
 
+VECTOR_STEP = 64  # elements per iteration of torch's CPU vectorized loop, at most (2 x 32 16-bit lanes of AVX-512)
+
+
 def elementwise(fn, x: torch.Tensor) -> torch.Tensor:
     """fn(x) for an elementwise transcendental fn (sigmoid, silu, rsqrt, softplus), any shape.
 
     Batch-invariant mode on CPU: torch's vectorized loop and its scalar tail loop round these
-    functions differently, and which elements fall in the tail (the last numel % vector width of
-    each thread's chunk) depends on the batch. The input is flattened and zero-padded to a multiple
-    of 16 floats per possible thread chunk, so every element takes the vectorized loop.
+    functions differently, and which elements fall in the tail (the last numel % (2 x vector width)
+    of each thread's chunk: 16 floats on AVX2, 32 on AVX-512, 64 for 16-bit types there) depends on
+    the batch. The input is flattened and zero-padded to a multiple of VECTOR_STEP elements per
+    possible thread chunk, so every element takes the vectorized loop.
     """
     if not BATCH_INVARIANT or x.device.type != "cpu":
         return fn(x)
     n = x.numel()
-    pad = -n % (16 * math.lcm(*range(1, torch.get_num_threads() + 1)))
+    pad = -n % (VECTOR_STEP * math.lcm(*range(1, torch.get_num_threads() + 1)))
     return fn(F.pad(x.reshape(-1), (0, pad)))[:n].view(x.shape)
 
 
