@@ -42,6 +42,7 @@
 #       VLLM_DEEPINFER_DEEPGEMM_HC=1, vs both (prefill 1k/4k, decode 1/64/256; BENCH_ARGS as in compact) -> $OUT/ab_*
 #   bash benchmarks/gpu_session.sh serve-intree|serve-ours BUDGET_S   # ~6 min each: vllm serve + vllm bench serve,
 #       random 1024 in / 128 out, 200 prompts at concurrency 1, 8, 32, 128 -> $OUT/serve-<side>.tgz
+#       (SERVE_ARGS adds bench_serve.py options; H100: SERVE_ARGS="--kv-gib 6 --num-prompts 32,64,128,256")
 #   bash benchmarks/gpu_session.sh cold-ours|cold-intree BUDGET_S     # ours ~4 min, in-tree 5-10 min (each
 #       launch capped at half the budget): serve -> first token, JIT caches cold then warm -> $OUT/cold-<side>.tgz
 #   bash benchmarks/gpu_session.sh sweep-ours|sweep-intree BUDGET_S   # ~5-6 min each: vllm bench sweep + Pareto
@@ -253,7 +254,7 @@ serve_bench() {  # SIDE BUDGET_S
   local side=$1 budget=$2 t0=$SECONDS
   vllm_env
   timeout -k 10 $((budget - 15)) python3 benchmarks/bench_serve.py --only "$side" --out /tmp/serve \
-    --start-timeout 360 > "$OUT/serve_$side.out" 2>&1
+    --start-timeout 360 ${SERVE_ARGS:-} > "$OUT/serve_$side.out" 2>&1
   tar czf "$OUT/serve-$side.tgz" --exclude 'model-*' -C /tmp serve 2>/dev/null
   tail -20 "$OUT/serve_$side.out"
   echo "serve $side done t=$((SECONDS - t0)) s"
