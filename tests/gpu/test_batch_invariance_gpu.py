@@ -40,8 +40,11 @@ def model_dir(tmp_path_factory):
     return write_model_dir("v4.1-flash", "full-width", tmp_path_factory.mktemp("fw") / "v41-fw", layers=4)
 
 
-def _gpu_engine(model_dir, invariant: bool, monkeypatch, v2_runner: bool = False, blocks: int = cpu.BLOCKS):
+def _gpu_engine(model_dir, invariant: bool, monkeypatch, v2_runner: bool = False, blocks: int = cpu.BLOCKS,
+                replay: bool | None = None):
+    """replay: bounded replay on / off (None: off in invariant mode, as in the CPU property test, else on)."""
     monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1" if invariant else "0")
+    monkeypatch.setenv(cpu.REPLAY_ENV, "compact" if (not invariant if replay is None else replay) else "none")
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1" if v2_runner else "0")
     monkeypatch.setenv("DEEPINFER_FP8_LINEARS", "packed")
     monkeypatch.setenv("DEEPINFER_EXPERT_STORAGE", "packed")
@@ -58,6 +61,16 @@ def test_batch_invariant_cuda_graphs(model_dir, monkeypatch, v2_runner):
         bad, seen = cpu._run_cases(llm, N_GPU_CASES, case_seed=0, seeded=True)
     print(f"\nGPU batch invariance ({'V2' if v2_runner else 'V1'} runner): {seen}")
     assert not bad, f"{len(bad)}/{N_GPU_CASES} batches changed the target:\n" + "\n".join(bad[:10])
+
+
+def test_batch_invariant_with_bounded_replay_cuda(model_dir, monkeypatch):
+    """Invariant mode with bounded replay on (V1 runner, CUDA graphs): random batches reproduce the solo run."""
+    with _gpu_engine(model_dir, True, monkeypatch, blocks=2 * cpu.BLOCKS, replay=True) as llm:
+        bad, seen = cpu._run_cases(llm, cpu.N_REPLAY_CASES, case_seed=2, seeded=True)
+        counts = llm.apply_model(lambda m: dict(m.model.replay_counts))[0]
+    print(f"\nGPU batch invariance with bounded replay: {seen}, replay counts {counts}")
+    assert counts["past_cut_tokens"] < counts["prefill_tokens"], counts
+    assert not bad, f"{len(bad)}/{cpu.N_REPLAY_CASES} batches changed the target:\n" + "\n".join(bad[:10])
 
 
 def test_default_path_is_batch_dependent_cuda(model_dir, monkeypatch):
