@@ -221,28 +221,6 @@ def _solo(llm, key: str) -> dict[int, tuple[list[int], list[torch.Tensor]]]:
     return out
 
 
-def test_batch_invariant_with_bounded_replay(model_dir, invariant_llm):
-    """Bounded replay on (the V4.1 default) in invariant mode: layer 3 (past the cut) runs on each prompt's last
-    token only and layer 2 on its last 128, yet every target reproduces its solo run bit for bit among random
-    batches (chunked prefill, preemption and recompute; prefix hits are rewound by replay), and the solo run
-    equals full prefill (replay off, `invariant_llm`) bit for bit."""
-    full = _solo(invariant_llm, "full")
-    try:
-        with _engine(model_dir, invariant=True, replay=True) as llm:
-            replayed = _solo(llm, "replayed")
-            bad, seen = _run_cases(llm, N_REPLAY_CASES, case_seed=2, seeded=True)
-            counts = llm.apply_model(lambda m: dict(m.model.replay_counts))[0]
-    finally:
-        os.environ.pop("DEEPINFER_BATCH_INVARIANT", None)
-        os.environ.pop(REPLAY_ENV, None)
-    print(f"\nbatch invariance with bounded replay: {seen}, replay counts {counts}")
-    assert counts["past_cut_tokens"] < counts["prefill_tokens"], counts
-    for n, (tokens, logits) in full.items():
-        assert replayed[n][0] == tokens and all(map(torch.equal, replayed[n][1], logits)), f"{n}-token target"
-    assert not bad, f"{len(bad)}/{N_REPLAY_CASES} batches changed the target:\n" + "\n".join(bad[:10])
-    assert seen["target preempted"] or N_REPLAY_CASES < 40, seen
-
-
 def test_seeded_structured_output_is_batch_invariant(invariant_llm):
     """A seeded request (DeepInfer's `seq_seed`) under a regex grammar draws the same text alone and among others."""
     from vllm import SamplingParams
@@ -258,6 +236,29 @@ def test_seeded_structured_output_is_batch_invariant(invariant_llm):
     batch = invariant_llm.generate(prompts, others[:3] + [target] + others[3:], use_tqdm=False)[3].outputs[0].text
     assert re.fullmatch(regex, alone), alone
     assert batch == alone
+
+
+def test_batch_invariant_with_bounded_replay(model_dir, invariant_llm):
+    """Bounded replay on (the V4.1 default) in invariant mode: layer 3 (past the cut) runs on each prompt's last
+    token only and layer 2 on its last 128, yet every target reproduces its solo run bit for bit among random
+    batches (chunked prefill, preemption and recompute; prefix hits are rewound by replay), and the solo run
+    equals full prefill (replay off, `invariant_llm`) bit for bit. Runs after the tests on `invariant_llm`: the
+    shutdown of its own engine leaves no distributed state for that one."""
+    full = _solo(invariant_llm, "full")
+    try:
+        with _engine(model_dir, invariant=True, replay=True) as llm:
+            replayed = _solo(llm, "replayed")
+            bad, seen = _run_cases(llm, N_REPLAY_CASES, case_seed=2, seeded=True)
+            counts = llm.apply_model(lambda m: dict(m.model.replay_counts))[0]
+    finally:
+        os.environ.pop("DEEPINFER_BATCH_INVARIANT", None)
+        os.environ.pop(REPLAY_ENV, None)
+    print(f"\nbatch invariance with bounded replay: {seen}, replay counts {counts}")
+    assert counts["past_cut_tokens"] < counts["prefill_tokens"], counts
+    for n, (tokens, logits) in full.items():
+        assert replayed[n][0] == tokens and all(map(torch.equal, replayed[n][1], logits)), f"{n}-token target"
+    assert not bad, f"{len(bad)}/{N_REPLAY_CASES} batches changed the target:\n" + "\n".join(bad[:10])
+    assert seen["target preempted"] or N_REPLAY_CASES < 40, seen
 
 
 def test_default_path_is_batch_dependent(model_dir):
