@@ -126,6 +126,19 @@ def _logits(key: str) -> list[torch.Tensor]:
     return [by_pos[p] for p in sorted(by_pos)]
 
 
+def _solo(llm, key: str, seeded: bool = True) -> dict[int, tuple[list[int], list[torch.Tensor]]]:
+    """Prompt length -> (tokens, logits per generated position) of the short and the long target run alone
+    (prefix cache not read), `PRESSURE_NEW` tokens each."""
+    from vllm.inputs import TokensPrompt
+
+    out = {}
+    for p in _prompts(llm.llm_engine.model_config.get_vocab_size()):
+        res = llm.generate([TokensPrompt(prompt_token_ids=p)], _target_params(key, True, seeded, PRESSURE_NEW),
+                           use_tqdm=False)[0]
+        out[len(p)] = (list(res.outputs[0].token_ids), _logits(key))
+    return out
+
+
 def _run_cases(llm, n_cases: int, case_seed: int, seeded: bool) -> tuple[list[str], dict[str, int]]:
     """Run `n_cases` random batches: (a description of every case whose target differs from its solo run,
     counters of what the cases exercised)."""
@@ -133,11 +146,7 @@ def _run_cases(llm, n_cases: int, case_seed: int, seeded: bool) -> tuple[list[st
 
     vocab = llm.llm_engine.model_config.get_vocab_size()
     short, long = _prompts(vocab)
-    solo = {}
-    for p in (short, long):
-        solo_params = _target_params("solo", True, seeded, PRESSURE_NEW)
-        out = llm.generate([TokensPrompt(prompt_token_ids=p)], solo_params, use_tqdm=False)[0]
-        solo[len(p)] = (list(out.outputs[0].token_ids), _logits("solo"))
+    solo = _solo(llm, "solo", seeded)
     rng = random.Random(case_seed)
     bad, seen = [], {"cases": 0, "long target": 0, "target prefix hit": 0, "batch of 1": 0, "target preempted": 0}
     with recorded_preemptions(llm) as preempted_ids:
@@ -209,16 +218,6 @@ def test_batch_invariant(invariant_llm):
         assert seen["target preempted"], seen
 
 
-def _solo(llm, key: str) -> dict[int, tuple[list[int], list[torch.Tensor]]]:
-    """Prompt length -> (tokens, logits per generated position) of the short and the long target run alone."""
-    from vllm.inputs import TokensPrompt
-
-    out = {}
-    for p in _prompts(llm.llm_engine.model_config.get_vocab_size()):
-        res = llm.generate([TokensPrompt(prompt_token_ids=p)], _target_params(key, True, True, PRESSURE_NEW),
-                           use_tqdm=False)[0]
-        out[len(p)] = (list(res.outputs[0].token_ids), _logits(key))
-    return out
 
 
 def test_seeded_structured_output_is_batch_invariant(invariant_llm):

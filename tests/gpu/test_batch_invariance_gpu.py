@@ -43,8 +43,9 @@ def model_dir(tmp_path_factory):
 def _gpu_engine(model_dir, invariant: bool, monkeypatch, v2_runner: bool = False, blocks: int = cpu.BLOCKS,
                 replay: bool | None = None):
     """replay: bounded replay on / off (None: off in invariant mode, as in the CPU property test, else on)."""
+    replay = not invariant if replay is None else replay
     monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1" if invariant else "0")
-    monkeypatch.setenv(cpu.REPLAY_ENV, "compact" if (not invariant if replay is None else replay) else "none")
+    monkeypatch.setenv(cpu.REPLAY_ENV, "compact" if replay else "none")
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1" if v2_runner else "0")
     monkeypatch.setenv("DEEPINFER_FP8_LINEARS", "packed")
     monkeypatch.setenv("DEEPINFER_EXPERT_STORAGE", "packed")

@@ -283,14 +283,13 @@ class StepBatch:
                 kept.append(RequestSpan(s.req, t, t + n, s.first_pos + skip, s.prompt_len))
                 t += n
         rows, = _dev(np.concatenate(parts), device=self.token_ids.device)  # host-built: one copy per layer
-        topk = {l: v[rows] for l, v in self.topk.items()}
-        candidates = {l: v[rows] for l, v in self.candidates.items()}
-        if per_token:
-            sub = StepBatch(self.token_ids[rows], self.positions[rows], [], self.attn_metadata, t, self.req[rows],
-                            self.live[rows], topk, candidates, replay_keep=self.replay_keep, token_spans=kept)
-        else:
-            sub = StepBatch(self.token_ids[rows], self.positions[rows], kept, self.attn_metadata, self.n_dec,
-                            self.req, self.live, topk, candidates, replay_keep=self.replay_keep)
+        # per-token step: every kept token stays on that path; else the one-token requests lead, the spans follow
+        layout = (dict(spans=[], n_dec=t, req=self.req[rows], live=self.live[rows], token_spans=kept) if per_token
+                  else dict(spans=kept, n_dec=self.n_dec, req=self.req, live=self.live))
+        sub = StepBatch(self.token_ids[rows], self.positions[rows], attn_metadata=self.attn_metadata,
+                        topk={l: v[rows] for l, v in self.topk.items()},
+                        candidates={l: v[rows] for l, v in self.candidates.items()}, replay_keep=self.replay_keep,
+                        **layout)
         return Retained(rows, sub)
 
     def replay_rows(self, keeps: tuple[int, ...]) -> list[int]:
@@ -298,11 +297,11 @@ class StepBatch:
         `retained` calls give them: every token (padding too) until one drops, then the one-token requests
         plus each span's kept tail."""
         rows, dropped = [], False
-        base = 0 if self.token_spans else self.n_dec
+        kept_max = (0 if self.token_spans else self.n_dec) + self.replay_tokens()
         for keep in keeps:
             skips = [s.replay_skip(keep) for s in self.replay_spans]
             dropped = dropped or any(skips)
-            rows.append(base + self.replay_tokens() - sum(skips) if dropped else self.token_ids.shape[0])
+            rows.append(kept_max - sum(skips) if dropped else self.token_ids.shape[0])
         return rows
 
     def with_replay_keep(self, keep: int) -> "StepBatch":

@@ -17,8 +17,6 @@ from vllm_deepinfer.checkpoint.formats import dequant_fp8_block, dequant_mxfp4, 
 # Batch-invariant mode (`DEEPINFER_BATCH_INVARIANT`): set by `vllm_deepinfer.ops.configure_invariant`.
 BATCH_INVARIANT = False
 INVARIANT_ROWS = 16  # row tile of `matmul_invariant`
-
-
 VECTOR_STEP = 64  # elements per iteration of torch's CPU vectorized loop, at most (2 x 32 16-bit lanes of AVX-512)
 
 
