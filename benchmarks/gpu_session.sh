@@ -287,6 +287,7 @@ sweep_bench() {  # SIDE BUDGET_S
 
 invariant_session() {  # BUDGET_S, one GPU (issue 12): the batch-invariance test with CUDA graphs (V1 runner,
   # N_GPU_CASES batches, and the companion with invariance off), then the default-vs-invariant benchmark
+  # (BENCH_ARGS as in compact: an H100 needs --kv-gib 6)
   local budget=$1 t0=$SECONDS
   vllm_env
   local half=$((budget / 2))
@@ -298,7 +299,7 @@ invariant_session() {  # BUDGET_S, one GPU (issue 12): the batch-invariance test
   echo "invariance test rc=$? t=$((SECONDS - t0)) s"
   grep -E "GPU batch invariance|invariance off|passed|failed|Error" "$LOGS/invariance_test.log" | cut -c1-300 | tail -8
   [ "${SKIP_BENCH:-0}" = 1 ] || $BENCH --invariant --reps ${REPS:-1} --warmup 1 --decode-tokens 48 --gpu-mem 0.9 \
-    --decode-batches 1,16,64 --timeout $((budget - (SECONDS - t0) - 20)) > "$OUT/bench_invariant.out" 2>&1
+    --decode-batches 1,16,64 ${BENCH_ARGS:-} --timeout $((budget - (SECONDS - t0) - 20)) > "$OUT/bench_invariant.out" 2>&1
   grep -E "^\| |\[(ours|invariant)\] (prefill|decode)" "$OUT/bench_invariant.out" | tail -20
   tar czf "$OUT/e2e-invariant.tgz" --exclude 'model-*' -C /tmp bench_e2e 2>/dev/null
   pack_logs
