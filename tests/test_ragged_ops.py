@@ -42,3 +42,24 @@ def test_sparse_attention_indexed_tiles_match_masked_attention(monkeypatch):
         monkeypatch.setattr(ref, "TILE_ELEMS", elems)
         torch.testing.assert_close(ref.sparse_attention_indexed(q, kv, idx, sink, 0.3), want, rtol=1e-5, atol=1e-6)
     assert ref.sparse_attention_indexed(q, kv, idx, sink, 0.3)[5].abs().max() == 0
+
+
+def test_flashmla_compact_indices_keep_each_tokens_keys():
+    """`ops.flashmla.compact_indices`: a row's valid ids first (same order), `topk_length` counts them, width a
+    multiple of 128; attention over the first `topk_length` compacted ids equals attention over the original ids."""
+    from vllm_deepinfer.ops import flashmla
+
+    torch.manual_seed(0)
+    t, k, rows = 6, 150, 40
+    idx = torch.randint(0, rows, (t, k))
+    idx = torch.where(torch.rand(t, k) < 0.4, -1, idx)
+    idx[1] = -1  # a token with no key
+    ids, lens = flashmla.compact_indices(idx)
+    assert ids.shape == (t, 256) and ids.dtype == torch.int32 and lens.dtype == torch.int32
+    q, kv, sink = torch.randn(t, 4, 16), torch.randn(rows, 16), torch.randn(4)
+    want = ref.sparse_attention_indexed(q, kv, idx, sink, 0.25)
+    for i in range(t):
+        n = int(lens[i])
+        assert ids[i, :n].tolist() == idx[i][idx[i] >= 0].tolist() and (ids[i, n:] == -1).all()
+        got = ref.sparse_attention_indexed(q[i:i + 1], kv, ids[i:i + 1, :n].long(), sink, 0.25)
+        torch.testing.assert_close(got, want[i:i + 1], rtol=1e-5, atol=1e-6)

@@ -34,9 +34,13 @@ def takes(streams: torch.Tensor) -> bool:
 
 
 def num_splits(t: int, k: int, device: torch.device) -> int:
-    """Split-K count: fill the SMs with ceil(T / 64) token blocks, at most a quarter of the K blocks per split."""
+    """Split-K count: fill the SMs with ceil(T / 64) token blocks, at most a quarter of the K blocks per split,
+    then bounded to 1, 4 or 16 as vLLM 0.32 bounds it for this kernel (`compute_mhc_pre_num_splits`, not imported:
+    its module needs tilelang), so DeepGEMM's JIT and our finalize kernel (split count constexpr) build three
+    variants instead of one per token count."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(sms // -(-t // 64), -(-k // BLOCK_K) // 4))
+    s = max(1, min(sms // -(-t // 64), -(-k // BLOCK_K) // 4))
+    return 1 if s == 1 else 4 if s <= 4 else 16
 
 
 def hc_coefficients(streams, fn, base, scale, rms_eps, hc_eps, sinkhorn_iters):
