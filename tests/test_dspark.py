@@ -310,6 +310,14 @@ def _spec_counters(llm) -> tuple[int, int]:
     return m["vllm:spec_decode_num_draft_tokens"].value, m["vllm:spec_decode_num_accepted_tokens"].value
 
 
+def _verified_lengths(llm) -> list[int]:
+    """Request-steps by verified draft length 0..k from `vllm:deepinfer_spec_decode_verified_length`
+    (`patches/spec_length_metrics.py`): the histogram's cumulative buckets, differenced."""
+    (h,) = [x for x in llm.get_metrics() if x.name == "vllm:deepinfer_spec_decode_verified_length"]
+    cumulative = [h.buckets[le] for le in sorted(h.buckets, key=float) if le != "+Inf"]
+    return [b - a for a, b in zip([0] + cumulative, cumulative)]
+
+
 def test_engine_dspark_varlen_lossless_max_and_min(ckpt_root, monkeypatch):
     """vLLM's V1 runner with `method="dspark"` (our proposer) and confidence-scheduled verification
     (DEEPINFER_ENABLE_MTP_VARLEN=1), mixed-length batch, chunked prefill: greedy tokens equal speculation off
@@ -336,14 +344,17 @@ def test_engine_dspark_varlen_lossless_max_and_min(ckpt_root, monkeypatch):
             assert _generate(llm, prompts, 24) == base, kind
             drafted, accepted = _spec_counters(llm)
             counts = draft_policy(llm).length_counts
+            verified = _verified_lengths(llm)
             fixed = proposer.fixed_steps.steps
         print(f"{kind} in vLLM, varlen: {accepted}/{drafted} draft tokens accepted, lengths chosen {counts}, "
-              f"{fixed} fixed-buffer steps")
-        assert sum(counts) > 0 and fixed >= 3
+              f"verified (/metrics) {verified}, {fixed} fixed-buffer steps")
+        assert sum(counts) > 0 and fixed >= 3 and len(verified) == n + 1
         if kind == "reproduce":
             assert counts[n] == sum(counts) and drafted > 0 and accepted / drafted >= 0.95
+            assert verified[n] * n == drafted and sum(verified[1:n]) == 0
         else:
             assert counts[0] == sum(counts) and drafted == 0
+            assert sum(verified[1:]) == 0 and verified[0] > 0
 
 
 def test_engine_dspark_seeded_sampling_distribution(ckpt_root):

@@ -216,6 +216,15 @@ def test_chi2_helper_detects_a_shift():
 
 
 # ----------------------------------------------------------------------------- draft-length policy
+def test_verified_lengths_from_vllm_counters():
+    """`patches/spec_length_metrics.verified_lengths`: a step's request-steps by verified length, zeros from the
+    decode outputs without a draft (k = 3: drafts of 3, 3, 1 tokens among 5 decode outputs; a step without drafts)."""
+    from vllm_deepinfer.patches.spec_length_metrics import verified_lengths
+
+    assert verified_lengths([3, 2, 2], 5) == [2, 1, 0, 2]
+    assert verified_lengths([0, 0, 0], 4) == [4, 0, 0, 0]
+
+
 def test_choose_lengths_prefix_and_extremes():
     sure, flat = draft_survival(torch.full((4, K), 0.999)), draft_survival(torch.full((4, K), 1 / 8192))
     assert choose_lengths(sure, 4).tolist() == [K] * 4
@@ -315,4 +324,8 @@ def test_serve_metrics_from_deepinfer_settings(ckpt_root, tmp_path):
     per_pos = [value("vllm:spec_decode_num_accepted_tokens_per_pos_total", f'position="{i}"') for i in range(K)]
     assert drafts > 0 and draft_tokens == K * drafts, (drafts, draft_tokens)   # varlen kept the maximum
     assert accepted / draft_tokens > 0.95 and min(per_pos) > 0.95 * drafts, (accepted, per_pos)
+    # verified draft lengths per request-step (`patches/spec_length_metrics.py`): every draft verified at K
+    full = value("vllm:deepinfer_spec_decode_verified_length_bucket", f'le="{K}.0"') - \
+        value("vllm:deepinfer_spec_decode_verified_length_bucket", f'le="{K - 1}.0"')
+    assert full == drafts, (full, drafts)
     assert "confidence-scheduled" in (tmp_path / "server.log").read_text()

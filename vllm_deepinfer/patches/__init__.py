@@ -34,3 +34,4 @@ def apply_all() -> None:
     importlib.import_module("vllm_deepinfer.patches.drafters_v1").apply()
     importlib.import_module("vllm_deepinfer.patches.replay_window_manager").apply()
     importlib.import_module("vllm_deepinfer.patches.unused_slot_mappings").apply()
+    importlib.import_module("vllm_deepinfer.patches.spec_length_metrics").apply()
