@@ -115,6 +115,35 @@ def test_dp2_bounded_replay_chunked_matches_one_process(ckpt_root, tmp_path):
     assert "bounded replay: layers 6..9 run on each prompt's last 382/255/128/1 tokens" in server.log.read_text()
 
 
+@pytest.mark.parametrize("arch,method", [("v4-flash", "mtp"), ("v4.1-flash", "dspark")])
+def test_dp2_ep2_speculation_matches_one_process(ckpt_root, tmp_path, arch, method):
+    """The drafter's MoE under DP + EP (V4's MTP block, V4.1's DSpark stages; checkpoints whose drafter reproduces
+    the target): greedy tokens with speculation on both ranks equal one process without speculation, drafts are
+    accepted (/metrics), and every rank places the drafter's experts beside the target's."""
+    ckpt = tiny_checkpoint(ckpt_root, arch, drafter="reproduce")
+    want = _reference(ckpt)
+    spec = f'{{"method": "{method}", "num_speculative_tokens": 3}}'
+    server = Server(ckpt, free_port(), tmp_path / "server.log",
+                    ["--data-parallel-size", "2", "--enable-expert-parallel", "--api-server-count", "1",
+                     "--speculative-config", spec, *LIMITS],
+                    env={"VLLM_CPU_OMP_THREADS_BIND": "0|1", "DEEPINFER_ENGRAM_DEVICE": "host"})
+    try:
+        server.wait_ready(timeout=600)
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            got = list(pool.map(lambda p: _complete(server, p), PROMPTS))
+        metrics = httpx.get(server.url + "/metrics", timeout=30).text
+    finally:
+        server.stop()
+    for g, w in zip(got, want, strict=True):
+        _same(g, w)
+    accepted = sum(float(v) for v in re.findall(r"^vllm:spec_decode_num_accepted_tokens_total\{[^}]*\} (\S+)$",
+                                                 metrics, re.M))
+    assert accepted > 0, "no draft accepted"
+    drafters = re.findall(rf"vllm-deepinfer {'MTP' if method == 'mtp' else 'DSpark'} drafter: .*?(\d+)/(\d+) routed "
+                          r"experts on this rank", server.log.read_text())
+    assert len(drafters) == 2 and all(2 * int(local) == int(total) for local, total in drafters), drafters
+
+
 def test_offline_llm_data_parallel_refused(ckpt_root):
     from vllm import LLM
 

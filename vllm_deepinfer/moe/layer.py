@@ -111,6 +111,13 @@ class MoE(nn.Module):
                              "(--moe-backend marlin) or DEEPINFER_EXPERT_STORAGE=bf16")
         self.shared_experts = SharedExpert(hidden, inter * n_shared) if n_shared else None
 
+    def placement(self) -> str:
+        """Where the routed experts live, e.g. "4/8 routed experts on this rank" (expert parallel) or "8 routed
+        experts"."""
+        routed = self.experts.routed_experts
+        local, total = routed.local_num_experts, routed.global_num_experts
+        return f"{local}/{total} routed experts on this rank" if local != total else f"{total} routed experts"
+
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """x: [T, D] (normalised FFN input); token_ids: [T] -> [T, D]."""
         logits = ops.linear_fp32_out(x, self.gate.weight)

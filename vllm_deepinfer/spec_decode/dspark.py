@@ -42,14 +42,18 @@ from vllm_deepinfer.attention.caches import cache_page_bytes
 from vllm_deepinfer.checkpoint.formats import check_no_nan_codes
 from vllm_deepinfer.checkpoint.inventory import InventoryError, expected_tensors
 from vllm_deepinfer.config import V41, ArchConfig, ConfigError
+from vllm_deepinfer.log import get_logger
 from vllm_deepinfer.models.attention import Attention
 from vllm_deepinfer.models.deepseek import DecoderLayer
 from vllm_deepinfer.models.layers import Linear, RMSNorm, pack_fp8_linears
+from vllm_deepinfer.moe.layer import MoE
 from vllm_deepinfer.models.loader import DRAFT_PREFIX, hc_param_name, write_tensors
 from vllm_deepinfer.models.rope import RotaryTable
 from vllm_deepinfer.ops import quant
 from vllm_deepinfer.serving.seeded_sampling import seeded_rows
 from vllm_deepinfer.spec_decode.proposer import policy_for
+
+logger = get_logger(__name__)
 
 #: Tensors of the drafter itself (not of a stage), by their name after `mtp.{i}.`.
 _DRAFTER_TENSORS = ("main_proj.", "main_norm.", "norm.", "markov_head.", "confidence_head.")
@@ -234,7 +238,7 @@ class DSparkDrafter(nn.Module):
         if arch.family != V41 or not arch.num_draft_layers or not arch.dspark_target_layer_ids:
             raise ConfigError("DSpark needs a V4.1 checkpoint with num_nextn_predict_layers stages and "
                               "dspark_target_layer_ids")
-        self.arch = arch
+        self.arch, self.dtype = arch, vllm_config.model_config.dtype
         d, eps = arch.hidden_size, arch.rms_norm_eps
         self.target_layers = arch.dspark_target_layer_ids
         self.noise = arch.dspark_noise_token_id
@@ -261,6 +265,9 @@ class DSparkDrafter(nn.Module):
             fp8 = {draft_name(n) for n, (dtype, _) in expected_tensors(arch).items()
                    if dtype == "F8_E4M3" and n.startswith(DRAFT_PREFIX)}
             pack_fp8_linears(self, fp8, arch.weight_block_size)
+        logger.info("vllm-deepinfer DSpark drafter: %d stages over target layers %s, block of %d, %s per stage",
+                    arch.num_draft_layers, list(self.target_layers), self.block_len,
+                    next(m for m in self.modules() if isinstance(m, MoE)).placement())
 
     def bind_target(self, target: nn.Module) -> None:
         """Use `target`'s embedding and head (`embed_input_ids`, `compute_logits`)."""
@@ -291,6 +298,15 @@ class DSparkDrafter(nn.Module):
         for stage in self.stages:
             streams, carry = stage(streams, carry, ids, block)
         return ops.hc_collapse(streams, carry)
+
+    def moe_collectives(self, rows: int) -> None:
+        """Every stage's MoE on `rows` zero rows, in `block_hidden`'s order: a data-parallel rank without a draft
+        joins the expert-parallel collectives of the ranks drafting (`DSparkProposer.dummy_run`)."""
+        w = self.norm.weight
+        x, ids = torch.zeros(rows, self.arch.hidden_size, dtype=self.dtype, device=w.device), \
+            torch.zeros(rows, dtype=torch.long, device=w.device)
+        for stage in self.stages:
+            stage.ffn(x, ids)
 
     def compute_draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [T, D] pre-norm -> U [T, V] fp32 (the target's head)."""

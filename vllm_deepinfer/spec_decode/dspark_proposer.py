@@ -82,7 +82,8 @@ class DSparkProposer(EagleProposer):
                 self.draft_attn_groups.append(attn_group)
         self.kv_cache_gid = self.draft_attn_groups[0].kv_cache_group_id
         self.block_size = self.draft_attn_groups[0].kv_cache_spec.block_size
-        graphs = (self.device.type == "cuda"
+        # data parallel: eager draft steps, whose MoE collectives `dummy_run` mirrors on idle ranks
+        graphs = (self.device.type == "cuda" and self.vllm_config.parallel_config.data_parallel_size == 1
                   and self.vllm_config.compilation_config.cudagraph_mode != CUDAGraphMode.NONE)
         self.fixed_steps = self.fixed_step_graphs(capture_graphs=True) if graphs else None
 
@@ -108,8 +109,15 @@ class DSparkProposer(EagleProposer):
 
     def dummy_run(self, num_tokens: int, use_cudagraphs: bool = True, is_graph_capturing: bool = False,
                   slot_mappings=None) -> None:
-        """Nothing: the drafter's caches are unbound during vLLM's profiling run; its graphs are captured on
-        first use (`fixed_steps`)."""
+        """A data-parallel rank with no draft to make (vLLM's dummy batches: an idle rank, the profiling run)
+        joins the collectives a draft makes (`propose`): the forward context's batch agreement across DP ranks,
+        then every stage's MoE (expert-parallel all2all) on `num_tokens` zero rows. Without data parallelism,
+        and while vLLM captures graphs, nothing: the drafter's caches are unbound during the profiling run and
+        its own graphs are captured on first use (`fixed_steps`)."""
+        if self.vllm_config.parallel_config.data_parallel_size == 1 or is_graph_capturing:
+            return
+        with torch.inference_mode(), set_forward_context(None, self.vllm_config, num_tokens=num_tokens):
+            self.model.moe_collectives(num_tokens)
 
     def take_last_draft_probs(self) -> None:
         return None  # greedy drafts: a deterministic proposal
@@ -137,7 +145,9 @@ class DSparkProposer(EagleProposer):
                     next_token_ids[:b].long(), anchor_pos)
             else:
                 req = torch.from_numpy(np.repeat(np.arange(b), counts)).to(dev)
-                with set_forward_context(metadata, self.vllm_config, num_tokens=t):
+                # the context's token count is the block's (B * N rows through each stage's MoE: under data
+                # parallelism the ranks agree on it, and an idle rank's `dummy_run` joins)
+                with set_forward_context(metadata, self.vllm_config, num_tokens=b * num_speculative_tokens):
                     self.model.write_context(self.capture.features[:t], req, target_positions[:t].long(), metadata,
                                              keep=self.capture.valid[:t])
                     block = DraftBatch(torch.arange(b, device=dev), anchor_pos, num_speculative_tokens, metadata)

@@ -39,6 +39,7 @@ from vllm_deepinfer.models.layers import Linear, RMSNorm, enable_activation_quan
 from vllm_deepinfer.models.loader import load_draft, target_name
 from vllm_deepinfer.models.rope import RotaryTable
 from vllm_deepinfer.models.step import StepBatch
+from vllm_deepinfer.moe.layer import MoE
 from vllm_deepinfer.ops import quant
 from vllm_deepinfer.spec_decode.proposer import policy_for
 
@@ -132,9 +133,10 @@ class DeepseekV4MTP(nn.Module):
         # Draft-length policy of confidence-scheduled verification (DEEPINFER_ENABLE_MTP_VARLEN), driven by
         # patches/draft_lengths.py around vLLM's proposer.
         self.draft_policy = policy_for(vllm_config, "MTP drafter")
-        logger.info("vllm-deepinfer MTP drafter: block id %d, %d speculative tokens, %s draft length",
+        logger.info("vllm-deepinfer MTP drafter: block id %d, %d speculative tokens, %s draft length, %s",
                     self.arch.num_layers, spec.num_speculative_tokens,
-                    "confidence-scheduled" if self.draft_policy.varlen else "fixed")
+                    "confidence-scheduled" if self.draft_policy.varlen else "fixed",
+                    next(m for m in self.modules() if isinstance(m, MoE)).placement())
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
