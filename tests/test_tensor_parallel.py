@@ -26,7 +26,8 @@ LOGPROB_TOL = 1e-4
 
 
 def _generate(ckpt, probe=None, **overrides) -> tuple[list[tuple[list[int], list[dict[int, float]]]], list | None]:
-    """(greedy tokens and top-5 logprobs per prompt, `probe(worker)` of every worker or None)."""
+    """(greedy tokens and top-5 logprobs per prompt, `probe(worker)` of every worker (or, with `probe="metrics"`,
+    the engine's `get_metrics()`) or None)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -34,7 +35,7 @@ def _generate(ckpt, probe=None, **overrides) -> tuple[list[tuple[list[int], list
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=5)
     with engine(ckpt, max_model_len=1024, max_num_batched_tokens=1024, **overrides) as llm:
         outs = llm.generate(prompts, params, use_tqdm=False)
-        probed = llm.collective_rpc(probe) if probe else None
+        probed = llm.get_metrics() if probe == "metrics" else llm.collective_rpc(probe) if probe else None
     return [(list(o.outputs[0].token_ids), [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
             for o in outs], probed
 
@@ -77,6 +78,25 @@ def test_tp2_matches_one_process(ckpt_root, monkeypatch, arch, storage, engram):
         assert all(all(t["host"]) and t["shared"] == {f"{mapped[0].split()[0]} (2 ranks)"} for t in tables), tables
         assert [t["writer"] for t in tables] == [{True}, {False}]
     assert {f for f in os.listdir(SHM_DIR) if f.startswith(FILE_PREFIX)} == shm_before
+
+
+@pytest.mark.parametrize("arch,method", [("v4-flash", "mtp"), ("v4.1-flash", "dspark")])
+def test_tp2_speculation_matches_one_process(ckpt_root, monkeypatch, arch, method):
+    """The drafters under TP=2 (V4's MTP block, V4.1's DSpark stages; checkpoints whose drafter reproduces the
+    target): greedy tokens with speculation equal one process without it, logprobs to 1e-4."""
+    ckpt = tiny_checkpoint(ckpt_root, arch, 0, drafter="reproduce")
+    single = _generate(ckpt)[0]
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    tp2, metrics = _generate(ckpt, "metrics", tensor_parallel_size=2, disable_log_stats=False,
+                             speculative_config={"method": method, "num_speculative_tokens": 3})
+    for (tokens1, lps1), (tokens2, lps2) in zip(single, tp2):
+        assert tokens2 == tokens1
+        diff = max(abs(a[t] - b[t]) for a, b in zip(lps1, lps2) for t in a.keys() & b.keys())
+        assert diff <= LOGPROB_TOL, diff
+    counts = {m.name: m.value for m in metrics if m.name.startswith("vllm:spec_decode_num_")
+              and hasattr(m, "value")}
+    assert counts["vllm:spec_decode_num_accepted_tokens"] > 0.9 * counts["vllm:spec_decode_num_draft_tokens"] > 0, \
+        counts
 
 
 def test_tp_that_cannot_split_the_heads_is_refused(ckpt_root):
