@@ -46,7 +46,6 @@ from vllm_deepinfer.log import get_logger
 from vllm_deepinfer.models.attention import Attention
 from vllm_deepinfer.models.deepseek import DecoderLayer
 from vllm_deepinfer.models.layers import Linear, RMSNorm, pack_fp8_linears
-from vllm_deepinfer.moe.layer import MoE
 from vllm_deepinfer.models.loader import DRAFT_PREFIX, hc_param_name, write_tensors
 from vllm_deepinfer.models.rope import RotaryTable
 from vllm_deepinfer.ops import quant
@@ -238,7 +237,7 @@ class DSparkDrafter(nn.Module):
         if arch.family != V41 or not arch.num_draft_layers or not arch.dspark_target_layer_ids:
             raise ConfigError("DSpark needs a V4.1 checkpoint with num_nextn_predict_layers stages and "
                               "dspark_target_layer_ids")
-        self.arch, self.dtype = arch, vllm_config.model_config.dtype
+        self.arch = arch
         d, eps = arch.hidden_size, arch.rms_norm_eps
         self.target_layers = arch.dspark_target_layer_ids
         self.noise = arch.dspark_noise_token_id
@@ -267,7 +266,7 @@ class DSparkDrafter(nn.Module):
             pack_fp8_linears(self, fp8, arch.weight_block_size)
         logger.info("vllm-deepinfer DSpark drafter: %d stages over target layers %s, block of %d, %s per stage",
                     arch.num_draft_layers, list(self.target_layers), self.block_len,
-                    next(m for m in self.modules() if isinstance(m, MoE)).placement())
+                    self.stages[0].ffn.placement())
 
     def bind_target(self, target: nn.Module) -> None:
         """Use `target`'s embedding and head (`embed_input_ids`, `compute_logits`)."""
@@ -302,9 +301,9 @@ class DSparkDrafter(nn.Module):
     def moe_collectives(self, rows: int) -> None:
         """Every stage's MoE on `rows` zero rows, in `block_hidden`'s order: a data-parallel rank without a draft
         joins the expert-parallel collectives of the ranks drafting (`DSparkProposer.dummy_run`)."""
-        w = self.norm.weight
-        x, ids = torch.zeros(rows, self.arch.hidden_size, dtype=self.dtype, device=w.device), \
-            torch.zeros(rows, dtype=torch.long, device=w.device)
+        w = self.norm.weight  # model dtype and device
+        x = torch.zeros(rows, self.arch.hidden_size, dtype=w.dtype, device=w.device)
+        ids = torch.zeros(rows, dtype=torch.long, device=w.device)
         for stage in self.stages:
             stage.ffn(x, ids)
 

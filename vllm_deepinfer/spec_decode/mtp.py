@@ -39,7 +39,6 @@ from vllm_deepinfer.models.layers import Linear, RMSNorm, enable_activation_quan
 from vllm_deepinfer.models.loader import load_draft, target_name
 from vllm_deepinfer.models.rope import RotaryTable
 from vllm_deepinfer.models.step import StepBatch
-from vllm_deepinfer.moe.layer import MoE
 from vllm_deepinfer.ops import quant
 from vllm_deepinfer.spec_decode.proposer import policy_for
 
@@ -136,7 +135,7 @@ class DeepseekV4MTP(nn.Module):
         logger.info("vllm-deepinfer MTP drafter: block id %d, %d speculative tokens, %s draft length, %s",
                     self.arch.num_layers, spec.num_speculative_tokens,
                     "confidence-scheduled" if self.draft_policy.varlen else "fixed",
-                    next(m for m in self.modules() if isinstance(m, MoE)).placement())
+                    self.model.block.ffn.placement())
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
