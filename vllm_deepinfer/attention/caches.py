@@ -11,7 +11,12 @@ One `PagedCache` per cache kind per owning layer (model-spec §6.1):
 | token history   | one per token (token id)     | SlidingWindowMLASpec, window n-1      |
 
 All specs of a model share one page size (`page_bytes`), so vLLM groups them without padding or
-repacking; each spec's block size is page_bytes / row_bytes * m. Rows are addressed from
+repacking; each spec's block size is page_bytes / row_bytes * m.
+
+`--kv-cache-dtype fp8_ds_mla` (alias `fp8`; `kv_records`) stores the main model's window and compressed KV as
+vLLM's 584-B ``fp8_ds_mla`` records (`RecordCache`): page_bytes // 584 records per page (112 of a 64-token
+bf16 page: 1.75x the rows), the page's tail unused; such a block size carries a factor 7, so the scheduler's
+block size (the LCM of all groups, where prefix-cache hits land) grows 7x. Rows are addressed from
 (request, position) through the group's block table: row `i` of a cache with m tokens per row
 lives in block `block_table[req, i*m // block_size]`, slot `(i*m % block_size) // m`.
 
@@ -24,6 +29,7 @@ sliding-window caches retain `keep` more tokens, so a rewound hit resumes from c
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -37,6 +43,10 @@ from vllm.v1.kv_cache_interface import (
 
 from vllm_deepinfer import ops
 from vllm_deepinfer.attention.backend import PagedCacheBackend, PagedCacheMetadata
+from vllm_deepinfer.ops import quant
+
+#: --kv-cache-dtype values: exact rows of the model dtype, or fp8_ds_mla records ("fp8" is vLLM's alias).
+EXACT_KV_DTYPES, RECORD_KV_DTYPES = ("auto", "bfloat16"), ("fp8_ds_mla", "fp8")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -67,12 +77,28 @@ def cache_page_bytes(vllm_config: VllmConfig, head_dim: int, dtype: torch.dtype)
     return block * head_dim * dtype.itemsize
 
 
+def kv_records(vllm_config: VllmConfig) -> bool:
+    """Whether --kv-cache-dtype asks for fp8_ds_mla records (the alias `fp8` is written back as `fp8_ds_mla`,
+    as vLLM's in-tree V4 does); any value but those and auto/bfloat16 is an error."""
+    cache = vllm_config.cache_config
+    if cache.cache_dtype in EXACT_KV_DTYPES:
+        return False
+    if cache.cache_dtype not in RECORD_KV_DTYPES:
+        raise ValueError(f"DeepInfer models take --kv-cache-dtype {' / '.join(EXACT_KV_DTYPES)} (exact rows of the "
+                         f"model dtype) or {' / '.join(RECORD_KV_DTYPES)} (fp8_ds_mla window/compressed KV records), "
+                         f"got {cache.cache_dtype!r}")
+    cache.cache_dtype = "fp8_ds_mla"
+    return True
+
+
 class PagedCache(nn.Module, AttentionLayerBase):
     """One paged cache of `width` values of `dtype` per row, one row per `tokens_per_row` tokens.
 
     `window` (in tokens) makes it a sliding-window cache whose old blocks vLLM frees; None keeps
     every row (compressed KV, index keys).
     """
+
+    whole_pages: ClassVar[bool] = True  # a page holds whole rows and nothing else
 
     def __init__(self, prefix: str, width: int, dtype: torch.dtype, page_bytes: int,
                  tokens_per_row: int = 1, window: int | None = None):
@@ -83,7 +109,7 @@ class PagedCache(nn.Module, AttentionLayerBase):
         self.tokens_per_row = tokens_per_row
         self.window = window
         row_bytes = width * dtype.itemsize
-        if page_bytes % row_bytes:
+        if page_bytes % row_bytes and self.whole_pages:
             raise ValueError(f"{prefix}: page of {page_bytes} B does not hold whole {row_bytes}-B rows")
         self.rows_per_block = page_bytes // row_bytes
         self.block_size = self.rows_per_block * tokens_per_row
@@ -160,6 +186,52 @@ class PagedCache(nn.Module, AttentionLayerBase):
         """Store values [N, width] at flat slots [N] of `rows` (0 = the null block, for writes to drop)."""
         self.rows[slots] = values.to(self.dtype)
 
+    def gather(self, slots: torch.Tensor) -> torch.Tensor:
+        """Rows at flat slots [...] -> [..., width]."""
+        return self.rows[slots]
+
     def read(self, meta: PagedCacheMetadata, req: int | torch.Tensor, row_ids: torch.Tensor) -> torch.Tensor:
         """Load rows `row_ids` [...] of request(s) `req` -> [..., width]."""
-        return self.rows[self.row_slots(meta, req, row_ids)]
+        return self.gather(self.row_slots(meta, req, row_ids))
+
+
+class RecordCache(PagedCache):
+    """A window or compressed KV cache of ``fp8_ds_mla`` records (`quant.kv_record_encode`): rows of 512 values
+    stored as 584 B, read back dequantised to `dtype` (the model dtype), bitwise `quant.kv_record_roundtrip`.
+
+    Block layout (vLLM's FlashMLA ``fp8_ds_mla`` block): R x 576 data bytes from the block start, then R x 8 scale
+    bytes; R = page_bytes // 584, the rest of the page unused. Flat slot s is record s % R of block s // R, so
+    `row_slots` / `range_slots` address records as they address rows. vLLM sees a uint8 spec of 584 B per state
+    padded to the common page (`page_size_padded`), so its KV sizing counts the records.
+    """
+
+    whole_pages = False
+
+    def __init__(self, prefix: str, width: int, dtype: torch.dtype, page_bytes: int,
+                 tokens_per_row: int = 1, window: int | None = None):
+        if width != quant.KV_RECORD_WIDTH:
+            raise ValueError(f"{prefix}: fp8_ds_mla records hold {quant.KV_RECORD_WIDTH}-wide rows, not {width}")
+        super().__init__(prefix, quant.KV_RECORD_BYTES, torch.uint8, page_bytes, tokens_per_row, window)
+        # rows_per_block (R) and block_size (R * tokens_per_row) count records; values come back as `dtype`
+        self.width, self.dtype, self.page_bytes = width, dtype, page_bytes
+
+    def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
+        spec = super().get_kv_cache_spec(vllm_config)
+        return dataclasses.replace(spec, dtype=torch.uint8, head_size=self.width, cache_dtype_str="fp8_ds_mla",
+                                   state_content_bytes=quant.KV_RECORD_BYTES, page_size_padded=self.page_bytes)
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        """kv_cache: [num_blocks, 1, R, 584] uint8 with a block stride of page_bytes -> pages [num_blocks, page_bytes]."""
+        if kv_cache.stride(0) != self.page_bytes:
+            raise ValueError(f"{self.prefix}: block stride {kv_cache.stride(0)} B, expected a {self.page_bytes}-B page")
+        self.kv_cache = kv_cache.as_strided((kv_cache.shape[0], self.page_bytes), (self.page_bytes, 1))
+
+    @property
+    def rows(self) -> torch.Tensor:
+        raise TypeError(f"{self.prefix} holds fp8_ds_mla records: read them with gather / ops.sparse_attention_records")
+
+    def store_rows(self, slots: torch.Tensor, values: torch.Tensor) -> None:
+        ops.kv_record_store(self.kv_cache, slots, values, self.rows_per_block)
+
+    def gather(self, slots: torch.Tensor) -> torch.Tensor:
+        return ops.kv_record_gather(self.kv_cache, slots, self.rows_per_block, self.dtype)

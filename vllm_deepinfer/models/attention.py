@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from vllm_deepinfer import ops
-from vllm_deepinfer.attention.caches import PagedCache
+from vllm_deepinfer.attention.caches import PagedCache, RecordCache
 from vllm_deepinfer.config import V4, ArchConfig, LayerPlan
 from vllm_deepinfer.models.compressor import Compressor
 from vllm_deepinfer.models.indexer import Indexer
@@ -30,7 +30,9 @@ from vllm_deepinfer.ops import quant
 class Attention(nn.Module):
     queries_and_keys_share_input = True  # wq_a and wkv read the same x
 
-    def __init__(self, arch: ArchConfig, plan: LayerPlan, rope: RotaryTable, prefix: str, page_bytes: int):
+    def __init__(self, arch: ArchConfig, plan: LayerPlan, rope: RotaryTable, prefix: str, page_bytes: int,
+                 kv_records: bool = False):
+        """`kv_records`: window and compressed KV as fp8_ds_mla records (`RecordCache`), else exact rows."""
         super().__init__()
         self.plan, self.rope = plan, rope
         d, h = arch.head_dim, arch.num_heads
@@ -51,16 +53,18 @@ class Attention(nn.Module):
         self.per_head_q_norm = arch.family == V4  # V4.1: "qr is normed before wq_b" (spec §7 Q6)
         self.attn_sink = head_sharded(_param(h // tp, dtype=torch.float32))
         dtype = torch.get_default_dtype()
-        self.parity_kv = quant.enabled("kv")
+        self.kv_records = kv_records
+        self.parity_kv = quant.enabled("kv") and not kv_records  # records store exactly these values
         self.parity_wo_a = arch.family == V4 and quant.enabled("act")
-        self.window_cache = PagedCache(f"{prefix}.window_cache", d, dtype, page_bytes, window=arch.window)
+        kv_cache = RecordCache if kv_records else PagedCache
+        self.window_cache = kv_cache(f"{prefix}.window_cache", d, dtype, page_bytes, window=arch.window)
         self.compressor = self.compressed_cache = self.indexer = None
         if plan.owns_compressor:
             self.compressor = Compressor(arch.hidden_size, d, plan.ratio, overlap=plan.compressor_overlap,
                                          gated=plan.compressor_gated, with_ape=arch.family == V4,
                                          eps=arch.rms_norm_eps, prefix=f"{prefix}.compressor", page_bytes=page_bytes)
-            self.compressed_cache = PagedCache(f"{prefix}.compressed_cache", d, dtype, page_bytes,
-                                               tokens_per_row=plan.ratio)
+            self.compressed_cache = kv_cache(f"{prefix}.compressed_cache", d, dtype, page_bytes,
+                                             tokens_per_row=plan.ratio)
         if plan.owns_indexer:
             self.indexer = Indexer(arch, plan, rope, f"{prefix}.indexer", page_bytes)
         # Caches of other layers (V4.1 sharing); set by the model once all layers exist.
@@ -177,12 +181,15 @@ class Attention(nn.Module):
         pos = batch.dec_positions
         self.window_cache.write(meta, batch.req, pos, kv, keep=batch.live)
         win = self.window_cache.range_slots(meta, batch.req, pos - (self.window - 1), self.window)     # [T, W]
-        rows, sel = self.window_cache.rows, win[:, :0]  # SWA-only layer: an empty second key source
+        src, sel = self.window_cache, win[:, :0]  # SWA-only layer: an empty second key source
         if self.plan.ratio > 0:
-            rows, src = self.kv_source.rows, batch.meta(self.kv_source)
+            src, src_meta = self.kv_source, batch.meta(self.kv_source)
             if selected is None:  # HCA: every visible row, (pos + 1) // m of them
-                sel = self.kv_source.range_slots(src, batch.req, torch.zeros_like(pos),
-                                                 meta.max_model_len // self.plan.ratio + 1, (pos + 1) // self.plan.ratio)
+                sel = src.range_slots(src_meta, batch.req, torch.zeros_like(pos),
+                                      meta.max_model_len // self.plan.ratio + 1, (pos + 1) // self.plan.ratio)
             else:
-                sel = self.kv_source.masked_slots(src, batch.req.unsqueeze(1), selected)
-        return ops.sparse_attention_paged(q, self.window_cache.rows, win, rows, sel, self.attn_sink, self.scale)
+                sel = src.masked_slots(src_meta, batch.req.unsqueeze(1), selected)
+        if self.kv_records:  # both caches hold records, R of them per block
+            return ops.sparse_attention_records(q, self.window_cache.kv_cache, win, src.kv_cache, sel,
+                                                self.window_cache.rows_per_block, self.attn_sink, self.scale)
+        return ops.sparse_attention_paged(q, self.window_cache.rows, win, src.rows, sel, self.attn_sink, self.scale)

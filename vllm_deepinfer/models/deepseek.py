@@ -29,7 +29,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 )
 
 from vllm_deepinfer import ops
-from vllm_deepinfer.attention.caches import PagedCache, cache_page_bytes
+from vllm_deepinfer.attention.caches import PagedCache, cache_page_bytes, kv_records
 from vllm_deepinfer.checkpoint.inventory import expected_tensors
 from vllm_deepinfer.config import V4, V41, ArchConfig
 from vllm_deepinfer.log import get_logger
@@ -81,7 +81,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, vllm_config: VllmConfig, arch: ArchConfig, layer_id: int, ropes: nn.ModuleDict, prefix: str,
                  page_bytes: int, hasher: EngramHasher | None, history: PagedCache | None, engram_host: bool = False,
                  max_tokens: int = 0, attention_cls: type[Attention] = Attention,
-                 engram_arena: NodeArena | None = None):
+                 engram_arena: NodeArena | None = None, kv_records: bool = False):
         super().__init__()
         plan = arch.layer_plan(layer_id)
         n_experts, topk = arch.moe_experts(layer_id)
@@ -92,7 +92,7 @@ class DecoderLayer(nn.Module):
         self.attn_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.ffn_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         rope = ropes["compress" if plan.compressed else "main"]
-        self.attn = attention_cls(arch, plan, rope, f"{prefix}.attn", page_bytes)
+        self.attn = attention_cls(arch, plan, rope, f"{prefix}.attn", page_bytes, kv_records)
         self.ffn = MoE(vllm_config, f"{prefix}.ffn", arch.hidden_size, arch.moe_intermediate_size,
                        n_experts, topk, arch.n_shared_experts, arch.vocab_size,
                        plan.hash_routed, arch.routed_scaling_factor, arch.swiglu_limit,
@@ -150,9 +150,10 @@ class DeepseekModel(nn.Module):
         self.engram_arena_group = get_world_group().cpu_group if shared else None
         arena = node_arena(arch, torch.device(vllm_config.device_config.device).type == "cuda") if shared else None
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+        records = kv_records(vllm_config)  # the drafters' window KV (spec_decode/) stays exact rows
         self.layers = nn.ModuleList(
             DecoderLayer(vllm_config, arch, l, self.ropes, f"{prefix}.layers.{l}", page_bytes, self.hasher,
-                         self.history, host, max_tokens, engram_arena=arena)
+                         self.history, host, max_tokens, engram_arena=arena, kv_records=records)
             for l in range(arch.num_layers))
         self._wire_shared_caches()
         engrams = [layer.engram for layer in self.layers if layer.engram is not None]

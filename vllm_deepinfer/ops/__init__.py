@@ -129,6 +129,20 @@ def sparse_attention_paged(q, kv_a, idx_a, kv_b, idx_b, sink, scale):
                      fallback=functools.partial(reference.sparse_attention_paged, attend=sparse_attention_gathered))
 
 
+def kv_record_store(pages, slots, rows, rows_per_block):
+    return _dispatch("kv_record_store", pages, pages, slots, rows, rows_per_block)
+
+
+def kv_record_gather(pages, slots, rows_per_block, dtype):
+    return _dispatch("kv_record_gather", pages, pages, slots, rows_per_block, dtype)
+
+
+def sparse_attention_records(q, pages_a, idx_a, pages_b, idx_b, rows_per_block, sink, scale):
+    # without a record kernel: dequantise the gathered records, then the device's (or the reference) gathered attention
+    return _dispatch("sparse_attention_records", q, q, pages_a, idx_a, pages_b, idx_b, rows_per_block, sink, scale,
+                     fallback=functools.partial(reference.sparse_attention_records, attend=sparse_attention_gathered))
+
+
 def indexer_scores_paged(q, weights, keys, block_table, n_valid, n_rows, rows_per_block):
     # without a paged kernel: gather the keys, then the device's (or the reference) gathered scores
     return _dispatch("indexer_scores_paged", q, q, weights, keys, block_table, n_valid, n_rows, rows_per_block,
@@ -289,7 +303,8 @@ def packed_storage(env: str, device_type: str) -> bool:
 
 
 for _f in (rms_norm, apply_rope, sparse_attention, sparse_attention_indexed, sparse_attention_gathered,
-           sparse_attention_paged, row_slots, range_slots, softmax_pool, indexer_scores, indexer_scores_gathered, indexer_scores_paged,
+           sparse_attention_paged, kv_record_store, kv_record_gather, sparse_attention_records, row_slots, range_slots,
+           softmax_pool, indexer_scores, indexer_scores_gathered, indexer_scores_paged,
            indexer_scores_ragged, topk_rows, linear_fp32_out, linear_fp8_block,
            hc_coefficients, hc_collapse, hc_expand, routed_experts, routed_experts_packed, sqrtsoftplus_route,
            engram_inject):

@@ -71,7 +71,7 @@ import os
 
 import torch
 
-from vllm_deepinfer.checkpoint.formats import FP8_MAX, ceil_log2
+from vllm_deepinfer.checkpoint.formats import FP8_DTYPE, FP8_MAX, ceil_log2, e8m0_decode
 
 ENV = "DEEPINFER_NUMERICS"
 
@@ -113,15 +113,25 @@ def enabled(component: str) -> bool:
 
 
 # ----------------------------------------------------------------------------- element formats
+def pow2_exponent(amax: torch.Tensor, floor: float, qmax: float = FP8_MAX) -> torch.Tensor:
+    """ceil(log2(max(amax, floor) / qmax)) as int32, computed exactly (frexp, no log2 rounding)."""
+    return ceil_log2(torch.clamp(amax.float(), min=floor) / qmax)
+
+
 def pow2_scale(amax: torch.Tensor, floor: float, qmax: float = FP8_MAX) -> torch.Tensor:
-    """2 ** ceil(log2(max(amax, floor) / qmax)) in fp32, computed exactly (frexp, no log2 rounding)."""
-    r = torch.clamp(amax.float(), min=floor) / qmax
-    return torch.ldexp(torch.ones_like(r), ceil_log2(r))
+    """2 ** `pow2_exponent` in fp32."""
+    e = pow2_exponent(amax, floor, qmax)
+    return torch.ldexp(torch.ones(e.shape, dtype=torch.float32, device=e.device), e)
+
+
+def e4m3_codes(x: torch.Tensor) -> torch.Tensor:
+    """FP8 E4M3 codes of x (saturating at ±448, nearest-even)."""
+    return x.float().clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
 def e4m3_round(x: torch.Tensor) -> torch.Tensor:
     """Round fp32 values to FP8 E4M3 (saturating at ±448, nearest-even), returned as fp32."""
-    return x.float().clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+    return e4m3_codes(x).float()
 
 
 def fp8_block_roundtrip(x: torch.Tensor, block: int, floor: float, bf16_first: bool = True) -> torch.Tensor:
@@ -155,6 +165,40 @@ def kv_record_roundtrip(rows: torch.Tensor, rope_dim: int = 64, block: int = 64)
     nope, rope = rows[..., :-rope_dim], rows[..., -rope_dim:]
     return torch.cat((fp8_block_roundtrip(nope, block, 1e-4),
                       rope.to(torch.bfloat16).to(rows.dtype)), dim=-1)
+
+
+#: ``fp8_ds_mla`` record of one 512-wide KV row, vLLM's FlashMLA layout: per token 448 E4M3 NoPE bytes then the
+#: 64 RoPE dims as BF16 (576 B, the "data" area of a block), and in a separate area after all of a block's data
+#: 7 UE8M0 scale bytes (one per 64 NoPE dims) + 1 pad byte (0). 584 B per token.
+KV_RECORD_WIDTH, KV_RECORD_ROPE, KV_RECORD_BLOCK = 512, 64, 64
+KV_RECORD_NOPE = KV_RECORD_WIDTH - KV_RECORD_ROPE
+KV_RECORD_DATA_BYTES = KV_RECORD_NOPE + 2 * KV_RECORD_ROPE                # 576
+KV_RECORD_SCALES = KV_RECORD_NOPE // KV_RECORD_BLOCK                      # 7
+KV_RECORD_SCALE_BYTES = 8                                                 # 7 scales + 1 pad
+KV_RECORD_BYTES = KV_RECORD_DATA_BYTES + KV_RECORD_SCALE_BYTES            # 584
+
+
+def kv_record_encode(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fp8_ds_mla`` bytes of rows [N, 512] (RoPE applied to the last 64 dims) -> data [N, 576] uint8,
+    scales [N, 8] uint8. `kv_record_decode` of them equals `kv_record_roundtrip(rows)` bit for bit."""
+    n = rows.shape[0]
+    nope = rows[:, :KV_RECORD_NOPE].to(torch.bfloat16).float().unflatten(-1, (KV_RECORD_SCALES, KV_RECORD_BLOCK))
+    exp = pow2_exponent(nope.abs().amax(-1, keepdim=True), 1e-4)                           # [N, 7, 1]
+    codes = e4m3_codes(nope / torch.ldexp(torch.ones_like(nope[..., :1]), exp))
+    rope = rows[:, KV_RECORD_NOPE:].to(torch.bfloat16).contiguous()
+    data = torch.cat((codes.flatten(1).view(torch.uint8), rope.view(torch.uint8)), dim=1)
+    scales = torch.zeros(n, KV_RECORD_SCALE_BYTES, dtype=torch.uint8, device=rows.device)
+    scales[:, :KV_RECORD_SCALES] = (exp.squeeze(-1) + 127).to(torch.uint8)
+    return data, scales
+
+
+def kv_record_decode(data: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of records: data [..., 576] uint8, scales [..., 8] uint8 -> [..., 512] of `dtype`."""
+    codes = data[..., :KV_RECORD_NOPE].contiguous().view(FP8_DTYPE).float()
+    s = e8m0_decode(scales[..., :KV_RECORD_SCALES].contiguous()).unsqueeze(-1)
+    nope = (codes.unflatten(-1, (KV_RECORD_SCALES, KV_RECORD_BLOCK)) * s).flatten(-2)
+    rope = data[..., KV_RECORD_NOPE:].contiguous().view(torch.bfloat16)
+    return torch.cat((nope.to(dtype), rope.to(dtype)), dim=-1)
 
 
 def index_key_roundtrip(keys: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_deepinfer.checkpoint.formats import dequant_fp8_block, dequant_mxfp4, e8m0_decode
+from vllm_deepinfer.ops import quant
 
 # Batch-invariant mode (`DEEPINFER_BATCH_INVARIANT`): set by `vllm_deepinfer.ops.configure_invariant`.
 BATCH_INVARIANT = False
@@ -513,6 +514,43 @@ def sparse_attention_paged(q: torch.Tensor, kv_a: torch.Tensor, idx_a: torch.Ten
     q: [T, H, d]; kv_*: [R_*, d] row buffers (e.g. two paged caches); idx_*: [T, K_*] -> [T, H, d].
     `attend`: the gathered attention to run on the rows (the ops layer passes its dispatched one)."""
     return attend(q, *gather_pair(kv_a, idx_a, kv_b, idx_b), sink, scale)
+
+
+def _record_areas(pages: torch.Tensor, rows_per_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of a record cache's pages [B, P] uint8: data [B, R, 576] (block start), scales [B, R, 8] (after it)."""
+    r, data_bytes = rows_per_block, quant.KV_RECORD_DATA_BYTES
+    data = pages[:, :r * data_bytes].unflatten(1, (r, data_bytes))
+    scales = pages[:, r * data_bytes:r * quant.KV_RECORD_BYTES].unflatten(1, (r, quant.KV_RECORD_SCALE_BYTES))
+    return data, scales
+
+
+def kv_record_store(pages: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, rows_per_block: int) -> None:
+    """Quantise rows [N, 512] into ``fp8_ds_mla`` records at flat slots [N] (block slot // R, row slot % R) of
+    pages [B, P] uint8 (`quant.kv_record_encode`; vLLM's block layout: R x 576 data bytes, then R x 8 scale bytes)."""
+    data, scales = _record_areas(pages, rows_per_block)
+    b, r = slots // rows_per_block, slots % rows_per_block
+    data[b, r], scales[b, r] = quant.kv_record_encode(rows)
+
+
+def kv_record_gather(pages: torch.Tensor, slots: torch.Tensor, rows_per_block: int, dtype: torch.dtype) -> torch.Tensor:
+    """Dequantised records at flat slots [...] of pages [B, P] uint8 -> [..., 512] of `dtype` (slot -1 reads slot 0;
+    callers mask it)."""
+    data, scales = _record_areas(pages, rows_per_block)
+    s = slots.clamp(min=0)
+    b, r = s // rows_per_block, s % rows_per_block
+    return quant.kv_record_decode(data[b, r], scales[b, r], dtype)
+
+
+def sparse_attention_records(q: torch.Tensor, pages_a: torch.Tensor, idx_a: torch.Tensor, pages_b: torch.Tensor,
+                             idx_b: torch.Tensor, rows_per_block: int, sink: torch.Tensor, scale: float,
+                             attend=sparse_attention_gathered) -> torch.Tensor:
+    """`sparse_attention_paged` over two ``fp8_ds_mla`` record caches: each query's records pages_a[idx_a[t]] then
+    pages_b[idx_b[t]] (flat slots, -1 = none), dequantised (`kv_record_gather`) to q's dtype, then `attend`.
+
+    q: [T, H, 512]; pages_*: [B_*, P] uint8 with `rows_per_block` records per block; idx_*: [T, K_*] -> [T, H, 512]."""
+    keys = torch.cat([kv_record_gather(pages_a, idx_a, rows_per_block, q.dtype),
+                      kv_record_gather(pages_b, idx_b, rows_per_block, q.dtype)], dim=1)
+    return attend(q, keys, torch.cat([idx_a >= 0, idx_b >= 0], dim=1), sink, scale)
 
 
 def indexer_scores_paged(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, block_table: torch.Tensor,
