@@ -10,6 +10,8 @@ Two entry points with the oracle's semantics (model-spec §3.4):
   top-k compressed rows per token, FlashMLA-sparse style), where every token has its own key set.
 * `sparse_attention_paged(q, kv_a, idx_a, kv_b, idx_b, sink, scale)`: the same over rows of two buffers
   (decode: the window cache's slots, then the compressed cache's), read in place with no gathered copy.
+* `sparse_attention_records(q, pages_a, idx_a, pages_b, idx_b, rows_per_block, sink, scale)`: the same over
+  two ``fp8_ds_mla`` record caches (`kv_records.py`), each key block dequantised in registers as it is loaded.
 
 One program handles one token and a fixed block of BH heads; it walks its keys in fixed BN blocks in
 order, with an online softmax that starts from the sink (a virtual key of logit sink_h and value 0).
@@ -23,6 +25,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from kernels_nvidia.kv_records import _record_rows
 
 
 @triton.jit
@@ -67,13 +71,14 @@ def _sparse_attn_dense_kernel(Q, K, MASK, SINK, O, N, H, scale,
 
 @triton.jit
 def _sparse_attn_indexed_kernel(Q, KV, IDX, KV2, IDX2, SINK, O, PO, PML, KSEL, KSEL2, H, scale,
-                                sq_t, sq_h, skv_n, si_t, skv2_n, si2_t, so_t, so_h, NSPLIT,
+                                sq_t, sq_h, skv_n, si_t, skv2_n, si2_t, so_t, so_h, NSPLIT, RPB,
                                 D: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
-                                PARTIAL: tl.constexpr, IEEE: tl.constexpr):
+                                PARTIAL: tl.constexpr, IEEE: tl.constexpr, RECORDS: tl.constexpr):
     """One token x BH heads x one range of SPLIT keys (PARTIAL: unnormalised partials, no sink).
 
     The token's keys are rows KV[IDX[t, :KSEL]] followed by rows KV2[IDX2[t, :KSEL2]] (KSEL2 = 0: one
-    source); -1 ids are skipped."""
+    source); -1 ids are skipped. RECORDS: KV / KV2 are record pages (block stride skv_n / skv2_n bytes,
+    RPB records a block) and the ids flat record slots."""
     t = tl.program_id(0)
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
     sp = tl.program_id(2)
@@ -94,9 +99,14 @@ def _sparse_attn_indexed_kernel(Q, KV, IDX, KV2, IDX2, SINK, O, PO, PML, KSEL, K
                        tl.load(IDX2 + t * si2_t + (offs_n - KSEL), mask=~first & (offs_n < KSEL + KSEL2), other=-1))
         valid = idx >= 0
         rows = tl.where(valid, idx, 0).to(tl.int64)
-        ptrs = tl.where(first[:, None], KV + rows[:, None] * skv_n + offs_d[None, :],
-                        KV2 + rows[:, None] * skv2_n + offs_d[None, :])
-        k = tl.load(ptrs, mask=valid[:, None], other=0.0)
+        if RECORDS:
+            blk = rows // RPB
+            base = tl.where(first, KV + blk * skv_n, KV2 + blk * skv2_n)
+            k = _record_rows(base, rows % RPB, valid, offs_d, RPB).to(Q.dtype.element_ty)
+        else:
+            ptrs = tl.where(first[:, None], KV + rows[:, None] * skv_n + offs_d[None, :],
+                            KV2 + rows[:, None] * skv2_n + offs_d[None, :])
+            k = tl.load(ptrs, mask=valid[:, None], other=0.0)
         m_i, l_i, acc = _attn_block(q, k, valid, m_i, l_i, acc, scale, IEEE)
     if PARTIAL:
         base = (t * NSPLIT + sp) * H + offs_h
@@ -230,9 +240,26 @@ def sparse_attention_paged(q: torch.Tensor, kv_a: torch.Tensor, idx_a: torch.Ten
                            out: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, H, d]; query t's keys are rows kv_a[idx_a[t]] then kv_b[idx_b[t]] (kv_*: [R_*, d] row buffers,
     e.g. two paged caches; idx_*: [T, K_*] row ids, -1 = none) -> [T, H, d]. Nothing is gathered."""
+    _check(q, q.shape[-1])
+    return _launch(q, _rows(kv_a, q.dtype), idx_a, _rows(kv_b, q.dtype), idx_b, sink, scale, out, 0)
+
+
+def sparse_attention_records(q: torch.Tensor, pages_a: torch.Tensor, idx_a: torch.Tensor, pages_b: torch.Tensor,
+                             idx_b: torch.Tensor, rows_per_block: int, sink: torch.Tensor, scale: float,
+                             out: torch.Tensor | None = None) -> torch.Tensor:
+    """`sparse_attention_paged` over two ``fp8_ds_mla`` record caches: q [T, H, 512]; pages_*: [B_*, P] uint8,
+    `rows_per_block` records a block; idx_*: [T, K_*] flat record slots (-1 = none) -> [T, H, 512]. Each key
+    block is dequantised in registers (the same values as the oracle's `kv_record_gather`); nothing is gathered."""
+    _check(q, q.shape[-1])
+    if q.shape[-1] != 512 or pages_a.dtype != torch.uint8 or pages_a.stride(1) != 1 or pages_b.stride(1) != 1:
+        raise NotImplementedError("records: 512-wide queries over uint8 pages with contiguous bytes")
+    return _launch(q, pages_a, idx_a, pages_b, idx_b, sink, scale, out, rows_per_block)
+
+
+def _launch(q: torch.Tensor, kv_a: torch.Tensor, idx_a: torch.Tensor, kv_b: torch.Tensor, idx_b: torch.Tensor,
+            sink: torch.Tensor, scale: float, out: torch.Tensor | None, rpb: int) -> torch.Tensor:
+    """The indexed kernel over rows (rpb = 0) or records (rpb = records a block) of two buffers."""
     t, h, d = q.shape
-    _check(q, d)
-    kv_a, kv_b = _rows(kv_a, q.dtype), _rows(kv_b, q.dtype)
     idx, idx2 = idx_a.to(torch.int32).contiguous(), idx_b.to(torch.int32).contiguous()
     sink = sink.float().contiguous()
     out = torch.empty_like(q) if out is None else out
@@ -253,8 +280,8 @@ def sparse_attention_paged(q: torch.Tensor, kv_a: torch.Tensor, idx_a: torch.Ten
         _sparse_attn_indexed_kernel[(t, hb, 1)](
             q, kv_a, idx, kv_b, idx2, sink, out, out, out, ka, kb, h, float(scale),
             q.stride(0), q.stride(1), kv_a.stride(0), idx.stride(0), kv_b.stride(0), max(idx2.stride(0), 1),
-            out.stride(0), out.stride(1), 1,
-            D=d, BH=bh, BN=bn, SPLIT=triton.cdiv(ksel, bn) * bn, PARTIAL=False, IEEE=ieee,
+            out.stride(0), out.stride(1), 1, rpb,
+            D=d, BH=bh, BN=bn, SPLIT=triton.cdiv(ksel, bn) * bn, PARTIAL=False, IEEE=ieee, RECORDS=rpb > 0,
             num_warps=warps, num_stages=2)
         return out
     sk = max(SPLIT_KEYS, bn)
@@ -264,8 +291,8 @@ def sparse_attention_paged(q: torch.Tensor, kv_a: torch.Tensor, idx_a: torch.Ten
     _sparse_attn_indexed_kernel[(t, hb, ns)](
         q, kv_a, idx, kv_b, idx2, sink, out, po, pml, ka, kb, h, float(scale),
         q.stride(0), q.stride(1), kv_a.stride(0), idx.stride(0), kv_b.stride(0), max(idx2.stride(0), 1),
-        out.stride(0), out.stride(1), ns,
-        D=d, BH=bh, BN=bn, SPLIT=sk, PARTIAL=True, IEEE=ieee, num_warps=warps, num_stages=2)
+        out.stride(0), out.stride(1), ns, rpb,
+        D=d, BH=bh, BN=bn, SPLIT=sk, PARTIAL=True, IEEE=ieee, RECORDS=rpb > 0, num_warps=warps, num_stages=2)
     _combine_splits_kernel[(t, hb)](po, pml, sink, out, h, ns, out.stride(0), out.stride(1), D=d, BH=bh,
                                     num_warps=8)
     return out

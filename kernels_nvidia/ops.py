@@ -6,9 +6,11 @@ from kernels_nvidia.attention import (  # noqa: F401
     sparse_attention_gathered,
     sparse_attention_indexed,
     sparse_attention_paged,
+    sparse_attention_records,
 )
 from kernels_nvidia.compressor import softmax_pool  # noqa: F401
 from kernels_nvidia.engram import engram_inject  # noqa: F401
+from kernels_nvidia.kv_records import kv_record_gather, kv_record_store  # noqa: F401
 from kernels_nvidia.gemm import linear_fp32_out, linear_fp8_block  # noqa: F401
 from kernels_nvidia.indexer import (  # noqa: F401
     indexer_scores,
@@ -26,7 +28,8 @@ from kernels_nvidia.topk import topk_rows  # noqa: F401
 # topk_rows: the Triton radix select of `kernels_nvidia.topk` (bitwise the oracle's stable sort; reads a row
 # over [0, n_valid) only). `indexer.topk_rows_packed` (packed-key torch.topk, 0.4-0.5x the stable sort on the
 # H200) is not dispatched; it stays for the benchmark.
-OPS = ("sparse_attention", "sparse_attention_indexed", "sparse_attention_paged", "softmax_pool", "indexer_scores",
+OPS = ("sparse_attention", "sparse_attention_indexed", "sparse_attention_paged", "sparse_attention_records",
+       "kv_record_store", "kv_record_gather", "softmax_pool", "indexer_scores",
        "indexer_scores_paged", "indexer_scores_ragged",
        "hc_coefficients", "hc_collapse", "hc_expand", "linear_fp32_out", "linear_fp8_block",
        "routed_experts_packed", "rms_norm", "apply_rope", "row_slots", "range_slots", "topk_rows",
