@@ -116,3 +116,25 @@ def test_engram_inject_compiles(mute):
            "D": "i32", "sx_t": "i32", "sx_h": "i32", "sk_t": "i32", "sk_h": "i32", "sv_t": "i32", "sy_t": "i32",
            "sy_h": "i32", "eps": "fp32", "sqrt_d": "fp32"}
     _compile(engram._engram_inject_kernel, sig, dict(HAS_MUTE=mute, BLOCK=engram.CHUNK))
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_kv_record_kernels_compile(dtype):
+    """The fp8_ds_mla record kernels (E4M3 casts, bf16 pointer views of the byte pages) and the attention kernel's
+    record path, split and unsplit, with the wrappers' tiles."""
+    from kernels_nvidia import attention, kv_records
+
+    _compile(kv_records._store_kernel, {"ROWS": f"*{dtype}", "s_rows": "i32", "SLOTS": "*i64", "PAGES": "*u8",
+                                        "P": "i32", "RPB": "i32"}, {})
+    _compile(kv_records._gather_kernel, {"PAGES": "*u8", "P": "i32", "RPB": "i32", "SLOTS": "*i64",
+                                         "OUT": f"*{dtype}", "N": "i32"}, dict(BN=8))
+    sig = {"Q": f"*{dtype}", "KV": "*u8", "IDX": "*i32", "KV2": "*u8", "IDX2": "*i32", "SINK": "*fp32",
+           "O": f"*{dtype}", "PO": "*fp32", "PML": "*fp32", "KSEL": "i32", "KSEL2": "i32", "H": "i32", "scale": "fp32",
+           "sq_t": "i32", "sq_h": "i32", "skv_n": "i32", "si_t": "i32", "skv2_n": "i32", "si2_t": "i32",
+           "so_t": "i32", "so_h": "i32", "NSPLIT": "i32", "RPB": "i32"}
+    ieee = dtype == "fp32"
+    bh, bn, warps = (32, 16, 8) if ieee else (64, 64, 8)
+    _compile(attention._sparse_attn_indexed_kernel, sig, dict(D=512, BH=bh, BN=bn, SPLIT=640, PARTIAL=False,
+                                                              IEEE=ieee, RECORDS=True), num_warps=warps)
+    _compile(attention._sparse_attn_indexed_kernel, sig, dict(D=512, BH=16, BN=64, SPLIT=128, PARTIAL=True,
+                                                              IEEE=ieee, RECORDS=True), num_warps=4)

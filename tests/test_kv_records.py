@@ -89,28 +89,37 @@ def _generate(llm, prompts: list[list[int]]):
 @pytest.mark.parametrize("arch", ["v4.1-flash", "v4-flash"])
 def test_records_match_parity_rows(ckpt_root, monkeypatch, arch):
     """Same greedy tokens and logprobs, bitwise, records vs exact rows under DEEPINFER_NUMERICS=kv: a batch with
-    chunked prefill (budget 256 tokens), then (V4.1) a request whose 1,000-token prefix is a prefix-cache hit.
-
-    --block-size 16 keeps the scheduler block (LCM of the groups, where hits land) under the prefix: 896 tokens
-    with records on tiny V4.1 (record blocks carry a factor 7), 128 with rows, so both hit 896 tokens (outside
-    batch-invariant mode a different hit length changes the summation order, hence the last bits). Tiny V4's
-    ratio-128 layer makes that LCM 14,336 with records, past max_model_len: no prefix hit there."""
+    chunked prefill (budget 256 tokens) and decode."""
     monkeypatch.setenv("DEEPINFER_NUMERICS", "kv")
     model = tiny_checkpoint(ckpt_root, arch)
-    shared = prompt_ids(model, 1000, 0)
-    batch = [prompt_ids(model, 37, 1), prompt_ids(model, 300, 2), shared + prompt_ids(model, 41, 3)]
-    hit = [shared + prompt_ids(model, 57, 4)]
+    batch = [prompt_ids(model, 37, 1), prompt_ids(model, 300, 2), prompt_ids(model, 1041, 3)]
     results = {}
     for kv_dtype in ("auto", "fp8_ds_mla"):
-        with engine(model, kv_cache_dtype=kv_dtype, block_size=16, max_num_batched_tokens=256,
-                    enable_prefix_caching=True) as llm:
+        with engine(model, kv_cache_dtype=kv_dtype, max_num_batched_tokens=256) as llm:
             assert llm.llm_engine.vllm_config.cache_config.cache_dtype == kv_dtype
-            results[kv_dtype] = _generate(llm, batch), _generate(llm, hit)
-    (rows_batch, rows_hit), (rec_batch, rec_hit) = results["auto"], results["fp8_ds_mla"]
-    assert [r[:2] for r in rec_batch] == [r[:2] for r in rows_batch]
-    assert rec_hit[0][:2] == rows_hit[0][:2]
-    if arch == "v4.1-flash":
-        assert rec_hit[0][2] == rows_hit[0][2] == 896, (rec_hit[0][2], rows_hit[0][2])
+            results[kv_dtype] = _generate(llm, batch)
+    assert [r[:2] for r in results["fp8_ds_mla"]] == [r[:2] for r in results["auto"]]
+
+
+def test_records_prefix_hit(ckpt_root, monkeypatch):
+    """V4.1, batch-invariant mode (where a prefix hit changes no bit): a request whose 1,000-token prefix is a
+    prefix-cache hit over record caches gives bitwise the tokens and logprobs of exact rows computed from scratch.
+
+    --block-size 16 keeps the scheduler block (the LCM of the groups' block sizes, where hits land) under the
+    prefix: 896 tokens with records on tiny V4.1 (record blocks carry a factor 7)."""
+    monkeypatch.setenv("DEEPINFER_NUMERICS", "kv")
+    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
+    model = tiny_checkpoint(ckpt_root, "v4.1-flash")
+    shared = prompt_ids(model, 1000, 0)
+    first, second = shared + prompt_ids(model, 41, 3), shared + prompt_ids(model, 57, 4)
+    with engine(model, block_size=16, max_num_batched_tokens=512, enable_prefix_caching=False) as llm:
+        (want,) = _generate(llm, [second])
+    with engine(model, kv_cache_dtype="fp8_ds_mla", block_size=16, max_num_batched_tokens=512,
+                enable_prefix_caching=True) as llm:
+        _generate(llm, [first])
+        (got,) = _generate(llm, [second])
+    assert got[2] == 896, got[2]
+    assert got[:2] == want[:2]
 
 
 def test_records_kv_capacity(ckpt_root):

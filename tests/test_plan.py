@@ -34,14 +34,17 @@ def _engine_numbers(llm) -> dict:
         "concurrency": cc.kv_cache_max_concurrency}
 
 
-@pytest.mark.parametrize("arch,dtype,storage", [("v4.1-flash", "bfloat16", "packed"), ("v4-flash", "float32", "bf16")])
-def test_plan_matches_engine(ckpt_root, monkeypatch, arch, dtype, storage):
+@pytest.mark.parametrize("arch,dtype,storage,kv_cache_dtype", [
+    ("v4.1-flash", "bfloat16", "packed", "auto"), ("v4-flash", "float32", "bf16", "auto"),
+    ("v4.1-flash", "bfloat16", "packed", "fp8_ds_mla"), ("v4-flash", "float32", "bf16", "fp8")])
+def test_plan_matches_engine(ckpt_root, monkeypatch, arch, dtype, storage, kv_cache_dtype):
     monkeypatch.setenv("DEEPINFER_FP8_LINEARS", storage)
     monkeypatch.setenv("DEEPINFER_EXPERT_STORAGE", storage)
     ckpt = tiny_checkpoint(ckpt_root, arch)
     kv_gib, max_len, budget = 2.0, 4096, 2048   # VLLM_CPU_KVCACHE_SPACE=2 (conftest)
     extra = {"limit_mm_per_prompt": {"image": 0}} if arch == "v4.1-flash" else {}
-    with engine(ckpt, dtype=dtype, max_model_len=max_len, max_num_batched_tokens=budget, **extra) as llm:
+    with engine(ckpt, dtype=dtype, max_model_len=max_len, max_num_batched_tokens=budget, kv_cache_dtype=kv_cache_dtype,
+                **extra) as llm:
         got = _engine_numbers(llm)
         out = llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7, 8])], SamplingParams(max_tokens=2))
         assert len(out[0].outputs[0].token_ids) == 2  # the planned engine serves
@@ -49,7 +52,7 @@ def test_plan_matches_engine(ckpt_root, monkeypatch, arch, dtype, storage):
     a = ArchConfig.from_hf(json.loads((ckpt / "config.json").read_text()))
     b = plan.DTYPE_BYTES[dtype]
     dep = plan.Deployment(dtype_bytes=b, fp8_linears=storage, experts=storage, engram="gpu", kv_dtype_bytes=b,
-                          block_size=64)
+                          kv_records=kv_cache_dtype != "auto", block_size=64)
     w = plan.plan_weights(a, dep)
     assert w.gpu_bytes == got["weights"]
     kv = plan.plan_kv(a, dep)
@@ -63,10 +66,12 @@ def test_plan_matches_engine(ckpt_root, monkeypatch, arch, dtype, storage):
 
 
 def test_plan_release_numbers():
-    """Release configs: inventory counts of model-spec §5 and the BF16 KV growth of §6.2 (3200 / 6880 B/token)."""
-    for arch_name, growth in (("v4.1-flash", 3200.0), ("v4-flash", 6880.0)):
+    """Release configs: inventory counts of model-spec §5 and the BF16 KV growth of §6.2 (3200 / 6880 B/token);
+    with fp8_ds_mla records the compressed KV costs 584 B per row instead of 1024 (2100 / 4501.25 B/token)."""
+    for arch_name, growth, records in (("v4.1-flash", 3200.0, 2100.0), ("v4-flash", 6880.0, 4501.25)):
         a = ArchConfig.from_hf(plan.release_config(arch_name))
         assert plan.plan_kv(a, plan.Deployment()).growth_per_token == growth
+        assert plan.plan_kv(a, plan.Deployment(kv_records=True)).growth_per_token == records
     a = ArchConfig.from_hf(plan.release_config("v4.1-flash"))
     one = plan.plan_weights(a, plan.Deployment())
     tp8 = plan.plan_weights(a, plan.Deployment(tp=8))

@@ -5,6 +5,7 @@ CLI::
     python -m vllm_deepinfer.tools.plan --model-config DIR_OR_PRESET [--arch v4.1-flash|v4-flash]
         [--tp N] [--dp N] [--ep] [--num-redundant-experts R] [--engram host|gpu]
         [--fp8-linears packed|bf16] [--experts packed|bf16] [--dtype bfloat16|float32] [--kv-dtype ...]
+        [--kv-cache-dtype auto|bfloat16|fp8_ds_mla|fp8]
         [--block-size 64] [--max-model-len L] [--max-num-batched-tokens T] [--batch B]
         [--gpu-memory GiB] [--gpu-util 0.9] [--overhead-gib G] [--kv-gib K] [--json]
 
@@ -40,6 +41,8 @@ What it counts (every tensor comes from `checkpoint.inventory.expected_tensors`,
   gated, compressor state ([kv || score] fp32 per token, window = pooling span), per index-key owner an index-key
   cache (``index_head_dim`` per m tokens; V4 also its compressor state), and the V4.1 token history (rows padded
   to the window row). One page = ``--block-size`` window rows; every cache's block size = page / row x m.
+  ``--kv-cache-dtype fp8_ds_mla`` (or ``fp8``): the window and compressed KV are 584-B ``fp8_ds_mla`` records,
+  page // 584 of them per page (the page's tail unused); the other caches keep their rows.
   MLA-style caches hold one latent: TP replicates them, each DP rank has its own pool.
   Reported as vLLM accounts for them (`kv_cache_utils`): groups of the same spec (padded to vLLM's group size),
   blocks = KV bytes // bytes per block, blocks per request at length L = full caches cdiv(L, block) + window
@@ -62,6 +65,7 @@ from pathlib import Path
 
 from ..checkpoint.inventory import expected_tensors
 from ..config import V4, V41, ArchConfig
+from ..ops.quant import KV_RECORD_BYTES
 
 GIB = 2 ** 30
 DTYPE_BYTES = {"bfloat16": 2, "bf16": 2, "float16": 2, "float32": 4, "fp32": 4}
@@ -113,7 +117,8 @@ class Deployment:
     fp8_linears: str = "marlin"     # marlin (CUDA) | packed (elsewhere) | bf16
     experts: str = "packed"         # packed | bf16
     engram: str = "host"            # host | gpu
-    kv_dtype_bytes: int = 2         # the plugin's caches are in the model dtype (no FP8 records yet)
+    kv_dtype_bytes: int = 2         # the plugin's cache rows are in the model dtype
+    kv_records: bool = False        # --kv-cache-dtype fp8_ds_mla: window and compressed KV as 584-B records
     block_size: int = 64
     bounded_replay: bool = True     # vLLM's --swa-bounded-replay (default on; DEEPINFER_YOCO_* decide when set)
     prefix_caching: bool = True     # vLLM's --enable-prefix-caching (default on)
@@ -225,12 +230,13 @@ class CacheSpec:
     tokens_per_row: int = 1
     window: int | None = None
     replay: bool = False            # window KV past the bounded-replay cut (its own vLLM spec, own groups)
+    record: bool = False            # fp8_ds_mla records: page // row_bytes of them, the page's tail unused
 
     def block_size(self, page: int) -> int:
         return page // self.row_bytes * self.tokens_per_row
 
     def key(self, page: int) -> tuple:
-        return (self.row_bytes, self.tokens_per_row, self.window, self.block_size(page), self.replay)
+        return (self.row_bytes, self.tokens_per_row, self.window, self.block_size(page), self.replay, self.record)
 
 
 def cache_specs(arch: ArchConfig, dep: Deployment) -> list[CacheSpec]:
@@ -244,18 +250,19 @@ def cache_specs(arch: ArchConfig, dep: Deployment) -> list[CacheSpec]:
     cut = policy.cut if policy is not None else arch.num_layers
     extra = policy.keep if policy is not None and dep.prefix_caching else 0
     d, kvb = arch.head_dim, dep.kv_dtype_bytes
+    kv_row = dict(row_bytes=KV_RECORD_BYTES, record=True) if dep.kv_records else dict(row_bytes=d * kvb)
     out = []
     if arch.family == V41 and arch.engram_layer_ids:
         out.append(CacheSpec("engram.history", d * kvb, window=arch.engram_max_ngram_size + extra))
     for l in range(arch.num_layers):
         p = arch.layer_plan(l)
         past = l > cut
-        out.append(CacheSpec(f"layers.{l}.window", d * kvb, window=arch.window + (0 if past else extra), replay=past))
+        out.append(CacheSpec(f"layers.{l}.window", window=arch.window + (0 if past else extra), replay=past, **kv_row))
         if p.owns_compressor:
             c = 2 if p.compressor_overlap else 1
             if p.compressor_gated:
                 out.append(CacheSpec(f"layers.{l}.compressor.state", 2 * c * d * 4, window=c * p.ratio + extra))
-            out.append(CacheSpec(f"layers.{l}.compressed", d * kvb, p.ratio))
+            out.append(CacheSpec(f"layers.{l}.compressed", tokens_per_row=p.ratio, **kv_row))
         if p.owns_index_keys:
             if arch.family == V4:
                 out.append(CacheSpec(f"layers.{l}.indexer.compressor.state", 2 * 2 * arch.index_head_dim * 4,
@@ -307,7 +314,7 @@ def plan_kv(arch: ArchConfig, dep: Deployment) -> KVPlan:
     specs = cache_specs(arch, dep)
     buckets: dict[tuple, list[CacheSpec]] = defaultdict(list)
     for s in specs:
-        if page % s.row_bytes:
+        if page % s.row_bytes and not s.record:
             raise ValueError(f"{s.name}: page of {page} B does not hold whole {s.row_bytes}-B rows")
         buckets[s.key(page)].append(s)
     counts = [len(v) for v in buckets.values()]
@@ -342,7 +349,8 @@ def report(arch: ArchConfig, dep: Deployment, a) -> dict:
              f"{arch.n_routed_experts} experts top-{arch.num_experts_per_tok}, vocab {arch.vocab_size}",
              f"layout: TP {dep.tp} x DP {dep.dp}, EP {'on (' + str(dep.ep_size) + ' ranks)' if dep.ep else 'off'}, "
              f"redundant experts {dep.redundant_experts}; storage: FP8 linears {dep.fp8_linears}, experts "
-             f"{dep.experts}, Engram tables on {dep.engram}, dtype {dep.dtype_bytes} B, KV rows {dep.kv_dtype_bytes} B",
+             f"{dep.experts}, Engram tables on {dep.engram}, dtype {dep.dtype_bytes} B, KV rows {dep.kv_dtype_bytes} B"
+             + (f", window/compressed KV as {KV_RECORD_BYTES}-B fp8_ds_mla records" if dep.kv_records else ""),
              "", "weights per GPU (before sharding in brackets):"]
     for k in KINDS:
         if k in w.per_gpu or k in w.host:
@@ -386,7 +394,9 @@ def main(argv=None) -> int:
     p.add_argument("--experts", choices=["packed", "bf16"], default="packed")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_BYTES))
     p.add_argument("--kv-dtype", default=None, choices=sorted(DTYPE_BYTES),
-                   help="cache row dtype (default: --dtype; FP8 records are not implemented in the plugin)")
+                   help="cache row dtype (default: --dtype)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8_ds_mla", "fp8"],
+                   help="vLLM's flag: fp8_ds_mla / fp8 = window and compressed KV as fp8_ds_mla records")
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--no-bounded-replay", action="store_true", help="vLLM's --no-swa-bounded-replay")
     p.add_argument("--no-prefix-caching", action="store_true", help="vLLM's --no-enable-prefix-caching")
@@ -405,7 +415,8 @@ def main(argv=None) -> int:
     arch = ArchConfig.from_hf(cfg)
     dep = Deployment(tp=a.tp, dp=a.dp, ep=a.ep, redundant_experts=a.num_redundant_experts,
                      dtype_bytes=DTYPE_BYTES[a.dtype], fp8_linears=a.fp8_linears, experts=a.experts,
-                     engram=a.engram, kv_dtype_bytes=DTYPE_BYTES[a.kv_dtype or a.dtype], block_size=a.block_size,
+                     engram=a.engram, kv_dtype_bytes=DTYPE_BYTES[a.kv_dtype or a.dtype],
+                     kv_records=a.kv_cache_dtype in ("fp8_ds_mla", "fp8"), block_size=a.block_size,
                      bounded_replay=not a.no_bounded_replay, prefix_caching=not a.no_prefix_caching)
     if arch.n_routed_experts % (dep.ep_size if dep.ep else 1) and not dep.redundant_experts:
         print(f"warning: {arch.n_routed_experts} experts do not divide over {dep.ep_size} EP ranks", file=sys.stderr)
