@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import engine, tiny_checkpoint
+from tests.conftest import engine, model_runner, tiny_checkpoint
 from tests.fidelity import prompt_ids
 from vllm_deepinfer.ops import quant, reference
 
@@ -71,8 +71,9 @@ def test_record_kernels_in_interpreter_child():
                         "tests/gpu/test_kv_record_kernels.py"],
                        cwd=root, env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True,
                        timeout=900)
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-    assert " passed" in r.stdout and "skipped" not in r.stdout.splitlines()[-1], r.stdout[-2000:]
+    summary = r.stdout.strip().splitlines()[-1]
+    print(summary)   # random-row stores and bf16 attention are CUDA-only (the interpreter's E4M3 / bf16 dot)
+    assert r.returncode == 0 and " passed" in summary, r.stdout[-6000:] + r.stderr[-3000:]
 
 
 def _generate(llm, prompts: list[list[int]]):
@@ -120,6 +121,22 @@ def test_records_prefix_hit(ckpt_root, monkeypatch):
         (got,) = _generate(llm, [second])
     assert got[2] == 896, got[2]
     assert got[:2] == want[:2]
+
+
+@pytest.mark.parametrize("arch,method", [("v4-flash", "mtp"), ("v4.1-flash", "dspark")])
+def test_records_with_speculation(ckpt_root, arch, method):
+    """Next to the target's records the drafters' window KV stays exact rows (MTP's layer, DSpark's stages);
+    greedy tokens with speculation (3 drafts, the reproducing drafter) equal those without."""
+    model = tiny_checkpoint(ckpt_root, arch, 0, drafter="reproduce")
+    prompts = [prompt_ids(model, n, i) for i, n in enumerate((7, 40, 150))]
+    with engine(model, kv_cache_dtype="fp8_ds_mla") as llm:
+        base = [r[0] for r in _generate(llm, prompts)]
+    with engine(model, kv_cache_dtype="fp8_ds_mla",
+                speculative_config={"method": method, "num_speculative_tokens": 3}) as llm:
+        drafter = model_runner(llm).drafter.model
+        kinds = {type(m).__name__ for n, m in drafter.named_modules() if n.endswith("window_cache")}
+        assert [r[0] for r in _generate(llm, prompts)] == base
+    assert kinds == {"PagedCache"}, kinds
 
 
 def test_records_kv_capacity(ckpt_root):
