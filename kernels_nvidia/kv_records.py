@@ -16,8 +16,6 @@ import torch
 import triton
 import triton.language as tl
 
-DATA, SCALES, NOPE, QBLOCK = 576, 8, 448, 64
-
 
 @triton.jit
 def _record_rows(base, r, valid, offs_d, RPB):

@@ -11,14 +11,14 @@ One `PagedCache` per cache kind per owning layer (model-spec §6.1):
 | token history   | one per token (token id)     | SlidingWindowMLASpec, window n-1      |
 
 All specs of a model share one page size (`page_bytes`), so vLLM groups them without padding or
-repacking; each spec's block size is page_bytes / row_bytes * m.
+repacking; each spec's block size is page_bytes / row_bytes * m. Rows are addressed from
+(request, position) through the group's block table: row `i` of a cache with m tokens per row
+lives in block `block_table[req, i*m // block_size]`, slot `(i*m % block_size) // m`.
 
 `--kv-cache-dtype fp8_ds_mla` (alias `fp8`; `kv_records`) stores the main model's window and compressed KV as
 vLLM's 584-B ``fp8_ds_mla`` records (`RecordCache`): page_bytes // 584 records per page (112 of a 64-token
 bf16 page: 1.75x the rows), the page's tail unused; such a block size carries a factor 7, so the scheduler's
-block size (the LCM of all groups, where prefix-cache hits land) grows 7x. Rows are addressed from
-(request, position) through the group's block table: row `i` of a cache with m tokens per row
-lives in block `block_table[req, i*m // block_size]`, slot `(i*m % block_size) // m`.
+block size (the LCM of all groups, where prefix-cache hits land) grows 7x.
 
 V4.1 bounded replay (`models/replay.py`) changes two things: the window KV of the layers past the
 cut (rows below a request's replay start are never written) is kept out of prefix caching and a
