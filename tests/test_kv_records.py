@@ -7,7 +7,8 @@
   `tests/gpu/test_kv_record_kernels.py` (CUDA, or Triton's interpreter in a child here).
 * Engine: records give the same greedy tokens and logprobs, bit for bit, as exact rows with the parity KV
   quantiser (`DEEPINFER_NUMERICS=kv`, which rounds the rows to the values a record holds), through chunked
-  prefill, decode and a prefix-cache hit; vLLM's KV sizing counts 1.75x the rows per block of the record caches.
+  prefill, decode and (batch-invariant mode) a prefix-cache hit; speculation works with the drafters' window KV
+  left in rows; vLLM's KV sizing counts 1.75x the rows per block of the record caches.
 """
 
 from __future__ import annotations
