@@ -149,7 +149,7 @@ def planner_lines(model: Path, a) -> list[str]:
     linears = "marlin" if packed == "packed" and torch.cuda.is_available() else packed  # CUDA: Marlin's layout
     args = ["--model-config", str(model), "--fp8-linears", linears, "--experts", packed, "--engram", "gpu",
             "--dtype", a.dtype, "--max-model-len", str(a.max_model_len), "--batch", "1",
-            "--max-num-batched-tokens", str(a.token_budget), "--no-prefix-caching"]
+            "--max-num-batched-tokens", str(a.token_budget), "--no-prefix-caching", "--kv-cache-dtype", a.kv_cache_dtype]
     kv = a.kv_gib or float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or 0)  # CPU: vLLM's KV space in GiB
     args += ["--kv-gib", str(kv)] if kv else []
     import contextlib
@@ -192,6 +192,8 @@ def worker(a) -> None:
                   limit_mm_per_prompt={"image": 0})  # text only: vLLM's V4.1 mm profiling hard-codes id 129264
     if a.kv_gib:
         kwargs["kv_cache_memory_bytes"] = int(a.kv_gib * 2**30)
+    if a.kv_cache_dtype != "auto":
+        kwargs["kv_cache_dtype"] = a.kv_cache_dtype
     if a.no_jit_warmup:
         kwargs["kernel_config"] = {"enable_jit_warmup": False, "enable_flashinfer_autotune": False}
     if not a.enforce_eager:
@@ -433,6 +435,9 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--kv-gib", type=float, default=24.0, help="fixed KV cache GiB (0: vLLM's memory profiling)")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="both sides (auto: ours exact bf16 rows, in-tree fp8_ds_mla records on Hopper; fp8_ds_mla: "
+                        "records on both)")
     p.add_argument("--gpu-mem", type=float, default=0.85)
     p.add_argument("--no-jit-warmup", action="store_true", help="kernel_config: no JIT warm-up / FlashInfer autotune")
     p.add_argument("--profile", action="store_true", help="torch.profiler top ops, both sides (runs engines in-process)")
