@@ -17,6 +17,7 @@ from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 
 from tests.conftest import engine, tiny_checkpoint
+from vllm_deepinfer.checkpoint.inventory import expected_tensors
 from vllm_deepinfer.config import ArchConfig
 from vllm_deepinfer.tools import plan
 
@@ -65,6 +66,38 @@ def test_plan_matches_engine(ckpt_root, monkeypatch, arch, dtype, storage, kv_ca
         assert host.gpu_bytes + host.host["Engram tables"] == w.gpu_bytes
 
 
+@pytest.mark.parametrize("arch,dtype,storage,method", [("v4-flash", "float32", "bf16", "mtp"),
+                                                      ("v4.1-flash", "bfloat16", "packed", "dspark")])
+def test_plan_matches_engine_with_drafter(ckpt_root, monkeypatch, arch, dtype, storage, method):
+    """`--speculative`: the drafter's weights (V4's MTP block with its own embedding and head; V4.1's DSpark stages
+    and heads, which call the target's embedding and head) and its window caches, against an engine with vLLM's
+    speculative config: weights, blocks, groups and tokens exactly."""
+    monkeypatch.setenv("DEEPINFER_FP8_LINEARS", storage)
+    monkeypatch.setenv("DEEPINFER_EXPERT_STORAGE", storage)
+    ckpt = tiny_checkpoint(ckpt_root, arch)
+    kv_gib, max_len, budget = 2.0, 4096, 2048
+    extra = {"limit_mm_per_prompt": {"image": 0}} if arch == "v4.1-flash" else {}
+    with engine(ckpt, dtype=dtype, max_model_len=max_len, max_num_batched_tokens=budget,
+                speculative_config={"method": method, "num_speculative_tokens": 2}, **extra) as llm:
+        got = _engine_numbers(llm)
+        runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+        target = {t.data_ptr() for t in runner.get_model().parameters()}
+        got["weights"] += sum(t.numel() * t.element_size() for t in runner.drafter.model.parameters()
+                              if t.data_ptr() not in target)
+        out = llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7, 8])], SamplingParams(max_tokens=4))
+        assert len(out[0].outputs[0].token_ids) == 4
+
+    a = ArchConfig.from_hf(json.loads((ckpt / "config.json").read_text()))
+    b = plan.DTYPE_BYTES[dtype]
+    dep = plan.Deployment(dtype_bytes=b, fp8_linears=storage, experts=storage, engram="gpu", kv_dtype_bytes=b,
+                          block_size=64, speculative=True)
+    w = plan.plan_weights(a, dep)
+    assert "drafter" in w.per_gpu and not w.not_loaded.get("drafter mtp.* (loaded with --speculative-config)")
+    assert w.gpu_bytes == got["weights"]
+    blocks, tokens, _ = plan.plan_kv(a, dep).capacity(int(kv_gib * 2 ** 30), max_len, in_flight=budget)
+    assert (blocks, len(plan.plan_kv(a, dep).groups), tokens) == (got["num_blocks"], got["groups"], got["tokens"])
+
+
 def test_plan_release_numbers():
     """Release configs: inventory counts of model-spec §5 and the BF16 KV growth of §6.2 (3200 / 6880 B/token);
     with fp8_ds_mla records the compressed KV costs 584 B per row instead of 1024 (2100 / 4501.25 B/token)."""
@@ -78,5 +111,12 @@ def test_plan_release_numbers():
     ep8 = plan.plan_weights(a, plan.Deployment(tp=1, dp=8, ep=True))
     assert tp8.per_gpu["routed experts"] * 8 == one.per_gpu["routed experts"] == ep8.per_gpu["routed experts"] * 8
     assert ep8.per_gpu["attention"] == one.per_gpu["attention"]       # DP replicates attention
+    # the drafter (DSpark: 3 stages of 128 experts) spreads its experts over EP ranks, redundant ones included
+    spec = plan.plan_weights(a, plan.Deployment(speculative=True))
+    spec_ep = plan.plan_weights(a, plan.Deployment(dp=8, ep=True, redundant_experts=32, speculative=True))
+    experts = sum(b for n, (dt, shape) in expected_tensors(a).items() if n.startswith("mtp.") and ".ffn.experts." in n
+                  for b in [plan.stored_bytes(n, dt, shape, plan.Deployment(), a.weight_block_size)])
+    assert spec.per_gpu["drafter"] - spec_ep.per_gpu["drafter"] == experts - experts * (128 + 32) // 128 // 8
+    assert "drafter" not in one.per_gpu and one.not_loaded
     assert tp8.per_gpu["router"] == one.per_gpu["router"]              # replicated under TP
     assert one.host["Engram tables"] == sum(n * 256 * (1 + 1 / 32) for n in a.engram_num_embeddings)

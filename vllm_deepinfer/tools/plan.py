@@ -6,7 +6,7 @@ CLI::
         [--tp N] [--dp N] [--ep] [--num-redundant-experts R] [--engram host|gpu]
         [--fp8-linears packed|bf16] [--experts packed|bf16] [--dtype bfloat16|float32] [--kv-dtype ...]
         [--kv-cache-dtype auto|bfloat16|fp8_ds_mla|fp8]
-        [--block-size 64] [--max-model-len L] [--max-num-batched-tokens T] [--batch B]
+        [--speculative] [--block-size 64] [--max-model-len L] [--max-num-batched-tokens T] [--batch B]
         [--gpu-memory GiB] [--gpu-util 0.9] [--overhead-gib G] [--kv-gib K] [--json]
 
 `--model-config` is a model directory (its ``config.json``), a config file, or a preset: ``release`` (the
@@ -28,19 +28,24 @@ What it counts (every tensor comes from `checkpoint.inventory.expected_tensors`,
     The CPU test checks the plugin's CPU behaviour, where the tables are ordinary module buffers.
   - BF16 tensors (norms, embedding, head, router, index keys/weights projections) in ``--dtype``; F32 tensors
     (mHC, attention sink, router bias, compressor ``ape``) in float32; V4 hash-routing tables int64.
-  - Not loaded by the plugin, shown apart: the vision tower (text-only serving skips it) and the DSpark / MTP
-    drafter (``mtp.*``; the plugin has no speculative decoding yet; vLLM in-tree loads it with
-    ``--speculative-config``).
+  - The drafter (``mtp.*``: V4's MTP block, V4.1's DSpark stages with their Markov and confidence heads) with
+    ``--speculative`` (``vllm serve --speculative-config``), under the same storage rules; shown apart (not
+    loaded) otherwise, as is the vision tower (text-only serving skips it). DSpark calls the target's embedding
+    and head; MTP's copies (``mtp.0.emb`` / ``mtp.0.head``) are dropped for the target's by vLLM's proposer
+    when they are equal to them (`_maybe_share_embeddings` / `_maybe_share_lm_head`), so they are not counted
+    (a checkpoint with distinct copies adds them once more). DSpark's confidence head is held in float32.
 * Sharding (vLLM's rules; the plugin's tensor-parallel path follows them): TP splits attention heads (``wq_b``
   by head, ``wo_a`` by output group, ``wo_b`` by input, ``attn_sink``), the shared experts' intermediate dim, the
   vocabulary (embedding, head); ``wq_a``, ``wkv``, norms, compressor, indexer, mHC, router and Engram are
-  replicated on every TP rank. Routed experts: ``--ep`` spreads (experts + redundant) over EP = TP x DP ranks;
+  replicated on every TP rank; the drafter's blocks follow the same rules. Routed experts: ``--ep`` spreads
+  (experts + redundant, in every MoE layer, the drafter's included) over EP = TP x DP ranks;
   without ``--ep`` TP splits every expert's intermediate dim and DP replicates. DP replicates everything else.
 * KV cache, the plugin's paged caches (`vllm_deepinfer/attention/caches.py`): per layer a window cache (one
   ``head_dim`` row per token, window W), per KV source a compressed cache (one row per m tokens) and, if
   gated, compressor state ([kv || score] fp32 per token, window = pooling span), per index-key owner an index-key
-  cache (``index_head_dim`` per m tokens; V4 also its compressor state), and the V4.1 token history (rows padded
-  to the window row). One page = ``--block-size`` window rows; every cache's block size = page / row x m.
+  cache (``index_head_dim`` per m tokens; V4 also its compressor state), the V4.1 token history (rows padded
+  to the window row) and, with ``--speculative``, one window cache per drafter block (exact rows, window W).
+  One page = ``--block-size`` window rows; every cache's block size = page / row x m.
   ``--kv-cache-dtype fp8_ds_mla`` (or ``fp8``): the window and compressed KV are 584-B ``fp8_ds_mla`` records,
   page // 584 of them per page (the page's tail unused); the other caches keep their rows.
   MLA-style caches hold one latent: TP replicates them, each DP rank has its own pool.
@@ -70,7 +75,7 @@ from ..ops.quant import KV_RECORD_BYTES
 GIB = 2 ** 30
 DTYPE_BYTES = {"bfloat16": 2, "bf16": 2, "float16": 2, "float32": 4, "fp32": 4}
 KINDS = ("attention", "routed experts", "shared experts", "router", "indexer", "compressor", "mHC",
-         "embedding + head", "norms", "Engram projections", "Engram tables")
+         "embedding + head", "norms", "Engram projections", "Engram tables", "drafter")
 
 
 # ============================================================================ configs
@@ -122,6 +127,7 @@ class Deployment:
     block_size: int = 64
     bounded_replay: bool = True     # vLLM's --swa-bounded-replay (default on; DEEPINFER_YOCO_* decide when set)
     prefix_caching: bool = True     # vLLM's --enable-prefix-caching (default on)
+    speculative: bool = False       # --speculative-config: the drafter (MTP on V4, DSpark on V4.1) is loaded
 
     @property
     def ep_size(self) -> int:
@@ -152,6 +158,8 @@ def _kind(name: str) -> str:
         return "shared experts"
     if ".ffn.gate." in name:
         return "router"
+    if name.startswith("mtp."):  # drafter projections, norms, MTP embedding / head, DSpark heads
+        return "drafter"
     raise ValueError(f"no weight kind for tensor {name}")
 
 
@@ -177,6 +185,8 @@ def stored_bytes(name: str, dtype: str, shape: tuple[int, ...], dep: Deployment,
         if _kind(name) == "Engram tables" or dep.fp8_linears != "bf16":
             return n
         return n * dep.dtype_bytes
+    if name.endswith(".confidence_head.proj.weight"):  # DSpark's confidence head: fp32 math, held in fp32
+        return 4 * n
     return {"BF16": dep.dtype_bytes, "F32": 4, "I64": 8}[dtype] * n
 
 
@@ -203,16 +213,20 @@ def plan_weights(arch: ArchConfig, dep: Deployment) -> WeightPlan:
         if name.startswith(("vision.", "aligner.", "image_")):
             not_loaded["vision tower (skipped: text-only)"] += size[dt] * math.prod(shape)
             continue
-        if name.startswith("mtp."):
-            not_loaded["drafter mtp.* (no speculative decoding in the plugin)"] += size[dt] * math.prod(shape)
+        drafter = name.startswith("mtp.")
+        if drafter and dep.speculative and name.split(".", 2)[-1] in ("emb.tok_emb.weight", "head.weight"):
+            continue  # the target's, shared by vLLM's proposer (module docstring)
+        if drafter and not dep.speculative:
+            not_loaded["drafter mtp.* (loaded with --speculative-config)"] += size[dt] * math.prod(shape)
             continue
-        kind = _kind(name)
         b = stored_bytes(name, dt, shape, dep, arch.weight_block_size)
+        kind = "drafter" if drafter else _kind(name)  # the drafter is one row of the report
+        layer_id = arch.num_layers + int(name.split(".")[1]) if drafter else 0
         total[kind] += b
         if kind == "Engram tables" and dep.engram == "host":
             host[kind] += b
-        elif kind == "routed experts":
-            E = arch.n_routed_experts
+        elif ".ffn.experts." in name:  # the drafter's MoE layers get redundant experts too (moe/layer.py)
+            E = arch.moe_experts(layer_id)[0]
             per_gpu[kind] += b * (E + dep.redundant_experts) // E // (dep.ep_size if dep.ep else dep.tp)
         else:
             per_gpu[kind] += b // dep.tp if _tp_split(name) else b
@@ -268,6 +282,8 @@ def cache_specs(arch: ArchConfig, dep: Deployment) -> list[CacheSpec]:
                 out.append(CacheSpec(f"layers.{l}.indexer.compressor.state", 2 * 2 * arch.index_head_dim * 4,
                                      window=2 * p.ratio + extra))
             out.append(CacheSpec(f"layers.{l}.index_keys", arch.index_head_dim * kvb, p.ratio))
+    if dep.speculative:  # MTP block / DSpark stages: window KV only, exact rows, no retained replay tokens
+        out += [CacheSpec(f"drafter.{i}.window", d * kvb, window=arch.window) for i in range(arch.num_draft_layers)]
     return out
 
 
@@ -397,6 +413,8 @@ def main(argv=None) -> int:
                    help="cache row dtype (default: --dtype)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8_ds_mla", "fp8"],
                    help="vLLM's flag: fp8_ds_mla / fp8 = window and compressed KV as fp8_ds_mla records")
+    p.add_argument("--speculative", action="store_true",
+                   help="--speculative-config given: count the drafter (MTP on V4, DSpark on V4.1) and its caches")
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--no-bounded-replay", action="store_true", help="vLLM's --no-swa-bounded-replay")
     p.add_argument("--no-prefix-caching", action="store_true", help="vLLM's --no-enable-prefix-caching")
@@ -417,7 +435,8 @@ def main(argv=None) -> int:
                      dtype_bytes=DTYPE_BYTES[a.dtype], fp8_linears=a.fp8_linears, experts=a.experts,
                      engram=a.engram, kv_dtype_bytes=DTYPE_BYTES[a.kv_dtype or a.dtype],
                      kv_records=a.kv_cache_dtype in ("fp8_ds_mla", "fp8"), block_size=a.block_size,
-                     bounded_replay=not a.no_bounded_replay, prefix_caching=not a.no_prefix_caching)
+                     bounded_replay=not a.no_bounded_replay, prefix_caching=not a.no_prefix_caching,
+                     speculative=a.speculative)
     if arch.n_routed_experts % (dep.ep_size if dep.ep else 1) and not dep.redundant_experts:
         print(f"warning: {arch.n_routed_experts} experts do not divide over {dep.ep_size} EP ranks", file=sys.stderr)
     out = report(arch, dep, a)
