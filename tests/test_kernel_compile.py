@@ -135,6 +135,8 @@ def test_kv_record_kernels_compile(dtype):
     ieee = dtype == "fp32"
     bh, bn, warps = (32, 16, 8) if ieee else (64, 64, 8)
     _compile(attention._sparse_attn_indexed_kernel, sig, dict(D=512, BH=bh, BN=bn, SPLIT=640, PARTIAL=False,
-                                                              IEEE=ieee, RECORDS=True), num_warps=warps)
+                                                              IEEE=ieee, RECORDS=True), num_warps=warps,
+             num_stages=attention._RECORD_STAGES)
     _compile(attention._sparse_attn_indexed_kernel, sig, dict(D=512, BH=16, BN=64, SPLIT=128, PARTIAL=True,
-                                                              IEEE=ieee, RECORDS=True), num_warps=4)
+                                                              IEEE=ieee, RECORDS=True), num_warps=4,
+             num_stages=attention._RECORD_STAGES)

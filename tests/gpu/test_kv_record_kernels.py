@@ -83,8 +83,8 @@ def test_gather_matches_oracle(device, dtype):
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sparse_attention_records(device, dtype, split, monkeypatch):
-    """Window records then compressed records, dequantised in the kernel: bitwise the paged-rows kernel over the
-    oracle's dequantised rows, and within the usual bound of the oracle's attention."""
+    """Window records then compressed records, dequantised in the kernel: the paged-rows kernel over the oracle's
+    dequantised rows (bitwise unsplit, to the last bit split), and within the usual bound of the oracle's attention."""
     from kernels_nvidia import attention as kattn
     if device == "cpu" and dtype == torch.bfloat16:
         pytest.skip("Triton's interpreter computes bf16 tl.dot wrongly (seen with triton 3.9)")
@@ -107,7 +107,10 @@ def test_sparse_attention_records(device, dtype, split, monkeypatch):
     rows_a = ref.kv_record_gather(pages_a, torch.arange(BLOCKS * R), R, dtype).to(device)
     rows_b = ref.kv_record_gather(pages_b, torch.arange(BLOCKS * R), R, dtype).to(device)
     same = kattn.sparse_attention_paged(on["q"], rows_a, on["ia"], rows_b, on["ib"], on["s"], 0.044)
-    assert torch.equal(out, same)
+    if split:  # records run unpipelined (`_RECORD_STAGES`): split, last-bit differences (H200: 1 of 24,576, 1 ulp)
+        torch.testing.assert_close(out, same, rtol={torch.float32: 1e-6, torch.bfloat16: 2 ** -7}[dtype], atol=0)
+    else:
+        assert torch.equal(out, same)
     want = ref.sparse_attention_records(q, pages_a, idx_a, pages_b, idx_b, R, sink, 0.044)
     err = float((out.double().cpu() - want.double()).norm() / want.double().norm())
     assert err < {torch.float32: 2e-5, torch.bfloat16: 1.5e-2}[dtype], err
