@@ -27,6 +27,10 @@ def _engine_numbers(llm) -> dict:
     runner = core.model_executor.driver_worker.worker.model_runner
     model = runner.get_model()
     weights = sum(t.numel() * t.element_size() for t in model.parameters())
+    drafter = getattr(runner, "drafter", None)
+    if drafter is not None:  # its own parameters; the target's embedding / head it shares are counted once
+        target = {t.data_ptr() for t in model.parameters()}
+        weights += sum(t.numel() * t.element_size() for t in drafter.model.parameters() if t.data_ptr() not in target)
     weights += sum(t.numel() * t.element_size() for n, t in model.named_buffers()
                    if ".engram.embed." in n or n.endswith("tid2eid"))
     cc = core.vllm_config.cache_config
@@ -80,10 +84,6 @@ def test_plan_matches_engine_with_drafter(ckpt_root, monkeypatch, arch, dtype, s
     with engine(ckpt, dtype=dtype, max_model_len=max_len, max_num_batched_tokens=budget,
                 speculative_config={"method": method, "num_speculative_tokens": 2}, **extra) as llm:
         got = _engine_numbers(llm)
-        runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-        target = {t.data_ptr() for t in runner.get_model().parameters()}
-        got["weights"] += sum(t.numel() * t.element_size() for t in runner.drafter.model.parameters()
-                              if t.data_ptr() not in target)
         out = llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7, 8])], SamplingParams(max_tokens=4))
         assert len(out[0].outputs[0].token_ids) == 4
 
@@ -94,8 +94,9 @@ def test_plan_matches_engine_with_drafter(ckpt_root, monkeypatch, arch, dtype, s
     w = plan.plan_weights(a, dep)
     assert "drafter" in w.per_gpu and not w.not_loaded.get("drafter mtp.* (loaded with --speculative-config)")
     assert w.gpu_bytes == got["weights"]
-    blocks, tokens, _ = plan.plan_kv(a, dep).capacity(int(kv_gib * 2 ** 30), max_len, in_flight=budget)
-    assert (blocks, len(plan.plan_kv(a, dep).groups), tokens) == (got["num_blocks"], got["groups"], got["tokens"])
+    kv = plan.plan_kv(a, dep)
+    blocks, tokens, _ = kv.capacity(int(kv_gib * 2 ** 30), max_len, in_flight=budget)
+    assert (blocks, len(kv.groups), tokens) == (got["num_blocks"], got["groups"], got["tokens"])
 
 
 def test_plan_release_numbers():

@@ -40,6 +40,14 @@ def _generate(ckpt, probe=None, **overrides) -> tuple[list[tuple[list[int], list
             for o in outs], probed
 
 
+def _assert_same(want: list, got: list) -> None:
+    """Per prompt (`_generate` outputs): equal greedy tokens, top-5 logprobs within LOGPROB_TOL."""
+    for (tokens1, lps1), (tokens2, lps2) in zip(want, got):
+        assert tokens2 == tokens1
+        diff = max(abs(a[t] - b[t]) for a, b in zip(lps1, lps2) for t in a.keys() & b.keys())
+        assert diff <= LOGPROB_TOL, diff
+
+
 def _engram_tables(worker) -> dict:
     """Where this worker's Engram tables live: the /dev/shm files its process maps, and its tables' labels."""
     from vllm_deepinfer.models.shared_host import FILE_PREFIX
@@ -68,10 +76,7 @@ def test_tp2_matches_one_process(ckpt_root, monkeypatch, arch, storage, engram):
     monkeypatch.setenv("DEEPINFER_ENGRAM_DEVICE", engram)
     shm_before = {f for f in os.listdir(SHM_DIR) if f.startswith(FILE_PREFIX)}
     tp2, tables = _generate(ckpt, probe=_engram_tables if engram == "host" else None, tensor_parallel_size=2)
-    for (tokens1, lps1), (tokens2, lps2) in zip(_SINGLE[arch], tp2):
-        assert tokens2 == tokens1
-        diff = max(abs(a[t] - b[t]) for a, b in zip(lps1, lps2) for t in a.keys() & b.keys())
-        assert diff <= LOGPROB_TOL, diff
+    _assert_same(_SINGLE[arch], tp2)
     if tables:  # both ranks map the same unlinked file; rank 0 wrote it; nothing is left in /dev/shm
         (mapped,) = {tuple(t["mapped"]) for t in tables}
         assert len(mapped) == 1 and mapped[0].startswith(f"{SHM_DIR}/{FILE_PREFIX}") and mapped[0].endswith("(deleted)")
@@ -89,10 +94,7 @@ def test_tp2_speculation_matches_one_process(ckpt_root, monkeypatch, arch, metho
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     tp2, metrics = _generate(ckpt, "metrics", tensor_parallel_size=2, disable_log_stats=False,
                              speculative_config={"method": method, "num_speculative_tokens": 3})
-    for (tokens1, lps1), (tokens2, lps2) in zip(single, tp2):
-        assert tokens2 == tokens1
-        diff = max(abs(a[t] - b[t]) for a, b in zip(lps1, lps2) for t in a.keys() & b.keys())
-        assert diff <= LOGPROB_TOL, diff
+    _assert_same(single, tp2)
     counts = {m.name: m.value for m in metrics if m.name.startswith("vllm:spec_decode_num_")
               and hasattr(m, "value")}
     assert counts["vllm:spec_decode_num_accepted_tokens"] > 0.9 * counts["vllm:spec_decode_num_draft_tokens"] > 0, \

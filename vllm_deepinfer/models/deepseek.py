@@ -151,6 +151,9 @@ class DeepseekModel(nn.Module):
         arena = node_arena(arch, torch.device(vllm_config.device_config.device).type == "cuda") if shared else None
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         records = kv_records(vllm_config)  # the drafters' window KV (spec_decode/) stays exact rows
+        if records:
+            logger.info("vllm-deepinfer: window and compressed KV stored as fp8_ds_mla records (--kv-cache-dtype "
+                        "fp8_ds_mla; the values of parity kv)")
         self.layers = nn.ModuleList(
             DecoderLayer(vllm_config, arch, l, self.ropes, f"{prefix}.layers.{l}", page_bytes, self.hasher,
                          self.history, host, max_tokens, engram_arena=arena, kv_records=records)
@@ -295,9 +298,6 @@ class DeepseekForCausalLM(nn.Module, DeepseekMixtureOfExperts):
         if self.arch.family == V4 and quant.enabled("act"):
             enable_activation_quant(self.model)
         logger.info("vllm-deepinfer numerics: %s", "parity " + ",".join(sorted(numerics)) if numerics else "exact")
-        if self.model.layers[0].attn.kv_records:
-            logger.info("vllm-deepinfer: window and compressed KV stored as fp8_ds_mla records (--kv-cache-dtype "
-                        "fp8_ds_mla; the values of parity kv)")
         self.lm_head = ParallelLMHead(self.arch.vocab_size, self.arch.hidden_size, prefix="lm_head")
         self.logits_processor = LogitsProcessor(self.arch.vocab_size)
         self.max_num_tokens = vllm_config.scheduler_config.max_num_batched_tokens

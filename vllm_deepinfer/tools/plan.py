@@ -221,12 +221,11 @@ def plan_weights(arch: ArchConfig, dep: Deployment) -> WeightPlan:
             continue
         b = stored_bytes(name, dt, shape, dep, arch.weight_block_size)
         kind = "drafter" if drafter else _kind(name)  # the drafter is one row of the report
-        layer_id = arch.num_layers + int(name.split(".")[1]) if drafter else 0
         total[kind] += b
         if kind == "Engram tables" and dep.engram == "host":
             host[kind] += b
         elif ".ffn.experts." in name:  # the drafter's MoE layers get redundant experts too (moe/layer.py)
-            E = arch.moe_experts(layer_id)[0]
+            E = arch.moe_experts(arch.num_layers + int(name.split(".")[1]) if drafter else 0)[0]
             per_gpu[kind] += b * (E + dep.redundant_experts) // E // (dep.ep_size if dep.ep else dep.tp)
         else:
             per_gpu[kind] += b // dep.tp if _tp_split(name) else b
