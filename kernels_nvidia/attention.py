@@ -173,10 +173,11 @@ def _tiles(h: int, d: int, dtype: torch.dtype) -> tuple[int, int, int]:
 
 
 _SPLIT_TILES = (16, 64, 4)  # split-KV decode: many small programs (13.9 us at T = 1 vs 31.8 unsplit)
-# fp8_ds_mla records: the key loop's software pipeline (num_stages 2) buffers the next block's record bytes and needs
-# 246,272 B of shared memory under triton 3.6 on SM90 (limit 232,448; H100 and H200, 2026-12-07, split or not, 4 or
-# 8 warps alike) as soon as the loop has more than one key block. Records run without pipelining.
-_RECORD_STAGES = 1
+# Pipeline depth of the indexed kernel's key loop, rows and records alike. Each stage buffers a key block in shared
+# memory: for records 512 + 8 + 128 bytes a key (`_record_rows`), 172,544 B unsplit and 189,440 B split under
+# triton 3.6 for sm_90 (limit 232,448; tests/test_kernel_compile.py). Wider record loads took 246,272 B and failed
+# on the H100 / H200 (2026-12-07).
+STAGES = 2
 
 
 def _check(q: torch.Tensor, d: int) -> None:
@@ -286,7 +287,7 @@ def _launch(q: torch.Tensor, kv_a: torch.Tensor, idx_a: torch.Tensor, kv_b: torc
             q.stride(0), q.stride(1), kv_a.stride(0), idx.stride(0), kv_b.stride(0), max(idx2.stride(0), 1),
             out.stride(0), out.stride(1), 1, rpb,
             D=d, BH=bh, BN=bn, SPLIT=triton.cdiv(ksel, bn) * bn, PARTIAL=False, IEEE=ieee, RECORDS=rpb > 0,
-            num_warps=warps, num_stages=_RECORD_STAGES if rpb else 2)
+            num_warps=warps, num_stages=STAGES)
         return out
     sk = max(SPLIT_KEYS, bn)
     ns = triton.cdiv(ksel, sk)
@@ -297,7 +298,7 @@ def _launch(q: torch.Tensor, kv_a: torch.Tensor, idx_a: torch.Tensor, kv_b: torc
         q.stride(0), q.stride(1), kv_a.stride(0), idx.stride(0), kv_b.stride(0), max(idx2.stride(0), 1),
         out.stride(0), out.stride(1), ns, rpb,
         D=d, BH=bh, BN=bn, SPLIT=sk, PARTIAL=True, IEEE=ieee, RECORDS=rpb > 0, num_warps=warps,
-        num_stages=_RECORD_STAGES if rpb else 2)
+        num_stages=STAGES)
     _combine_splits_kernel[(t, hb)](po, pml, sink, out, h, ns, out.stride(0), out.stride(1), D=d, BH=bh,
                                     num_warps=8)
     return out

@@ -19,17 +19,21 @@ import triton.language as tl
 
 @triton.jit
 def _record_rows(base, r, valid, offs_d, RPB):
-    """fp32 rows [BN, 512] of the records r [BN] of pages at `base` [BN] (uint8 pointers to their blocks)."""
+    """fp32 rows [BN, 512] of the records r [BN] of pages at `base` [BN] (uint8 pointers to their blocks).
+
+    Loads only what a record holds: 512 data bytes (448 codes, then the RoPE bytes, read again as BF16 below),
+    8 scale bytes and 64 BF16, so a pipelined key loop buffers ~41 KB per stage for BN = 64."""
+    BN: tl.constexpr = r.shape[0]
     data = base + r.to(tl.int64) * 576
-    nope = offs_d < 448
-    codes = tl.load(data[:, None] + offs_d[None, :], mask=valid[:, None] & nope[None, :], other=0)
-    exps = tl.load(base[:, None] + RPB * 576 + r.to(tl.int64)[:, None] * 8 + offs_d[None, :] // 64,
-                   mask=valid[:, None] & nope[None, :], other=127)
-    scale = (exps.to(tl.int32) << 23).to(tl.float32, bitcast=True)                 # 2 ** (byte - 127)
-    rope = tl.load((data + 448).to(tl.pointer_type(tl.bfloat16))[:, None] + (offs_d - 448)[None, :],
-                   mask=valid[:, None] & ~nope[None, :], other=0.0)
-    return tl.where(nope[None, :], codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale,
-                    rope.to(tl.float32))
+    codes = tl.load(data[:, None] + offs_d[None, :], mask=valid[:, None], other=0)           # [BN, 512]
+    g = tl.arange(0, 8)
+    exps = tl.load(base[:, None] + RPB * 576 + r.to(tl.int64)[:, None] * 8 + g[None, :], mask=valid[:, None],
+                   other=127)                                                                 # [BN, 8]
+    scale = (exps.to(tl.int32) << 23).to(tl.float32, bitcast=True)                          # 2 ** (byte - 127)
+    rope = tl.load((data + 448).to(tl.pointer_type(tl.bfloat16))[:, None] + tl.arange(0, 64)[None, :],
+                   mask=valid[:, None], other=0.0)                                            # [BN, 64]
+    nope = tl.reshape(codes.to(tl.float8e4nv, bitcast=True).to(tl.float32), (BN, 8, 64)) * scale[:, :, None]
+    return tl.reshape(tl.where((g == 7)[None, :, None], rope.to(tl.float32)[:, None, :], nope), (BN, 512))
 
 
 @triton.jit

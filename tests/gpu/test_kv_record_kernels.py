@@ -107,7 +107,7 @@ def test_sparse_attention_records(device, dtype, split, monkeypatch):
     rows_a = ref.kv_record_gather(pages_a, torch.arange(BLOCKS * R), R, dtype).to(device)
     rows_b = ref.kv_record_gather(pages_b, torch.arange(BLOCKS * R), R, dtype).to(device)
     same = kattn.sparse_attention_paged(on["q"], rows_a, on["ia"], rows_b, on["ib"], on["s"], 0.044)
-    if split:  # records run unpipelined (`_RECORD_STAGES`): split, last-bit differences (H200: 1 of 24,576, 1 ulp)
+    if split:  # split: last-bit differences seen while records ran unpipelined (H200: 1 of 24,576, 1 ulp)
         torch.testing.assert_close(out, same, rtol={torch.float32: 1e-6, torch.bfloat16: 2 ** -7}[dtype], atol=0)
     else:
         assert torch.equal(out, same)
