@@ -319,3 +319,28 @@ def test_seeded_noise_is_keyed_by_seed_and_position():
         assert not torch.equal(noise[a], noise[b])
     u = torch.exp(-torch.exp(-gumbel_noise(torch.arange(64), torch.zeros(64, dtype=torch.long), 4096)))
     assert abs(u.mean().item() - 0.5) < 0.01 and u.min() > 0 and u.max() < 1  # uniform(0, 1) draws
+
+
+def test_invariant_mode_picks_the_v1_runner(model_dir, monkeypatch):
+    """The plugin's seeded sampler hooks vLLM's V1 runner only: in invariant mode vLLM's runner choice (V2 by default
+    on CUDA) sees a V2 gap unless the user chose a runner; off, or with an explicit choice, the list is vLLM's."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_deepinfer.patches.seeded_sampler import V2_GAP
+
+    def config(**extra):
+        return EngineArgs(model=str(model_dir), dtype="float32", max_model_len=160, gpu_memory_utilization=0.2,
+                          **extra).create_engine_config()
+
+    def gaps(**extra) -> list[str]:
+        return config(**extra)._get_v2_model_runner_unsupported_features()
+
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "0")
+    assert V2_GAP not in gaps()
+    assert V2_GAP in gaps(additional_config={"deepinfer_batch_invariant": True})
+    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
+    cfg = config()
+    assert V2_GAP in cfg._get_v2_model_runner_unsupported_features()
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")  # a built config (this CPU build refuses V2: no Triton)
+    assert V2_GAP not in cfg._get_v2_model_runner_unsupported_features()

@@ -7,6 +7,12 @@ on CPU a seeded request whose prefill is chunked crashes the step ("CPU Generato
 offset", `gpu_model_runner.py` `_bookkeeping_sync` rewinding the discarded draw). Neither is
 batch-invariant. See `vllm_deepinfer/serving/seeded_sampling.py` for the noise.
 
+Runner choice: vLLM's V2 runner (its default on CUDA) samples on its own path, which this hook does not reach and
+which no invariance run has verified. So in batch-invariant mode, while `VLLM_USE_V2_MODEL_RUNNER` is unset, the
+V2 list of unsupported features gains "DeepInfer's batch-invariant sampling" for our models and vLLM picks V1 by
+itself (as for any feature V2 lacks). `VLLM_USE_V2_MODEL_RUNNER=1` is honoured, with a warning (vLLM's V2 sampler
+also keys its Gumbel noise by seed and position, but its tokens are not the plugin's `SeededSampler`'s).
+
 Hook: `GPUModelRunner._sample` (V1, inherited by `CPUModelRunner`). When batch-invariant mode is on
 (`vllm_deepinfer.ops.invariant_requested`) the wrapper installs a `SeededSampler` as the runner's
 `sampler.topk_topp_sampler` once, gives it each row's (seed, position of the token being drawn:
@@ -28,6 +34,7 @@ To keep acceptance up, the drafters draw their drafts with the same noise (MTP:
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -35,6 +42,8 @@ from vllm_deepinfer.log import get_logger
 
 logger = get_logger(__name__)
 
+
+V2_GAP = "DeepInfer's batch-invariant sampling"
 
 #: (seeds [T], positions [T]) of the verified rows of the current speculative step, set
 #: around the rejection sampler call in invariant mode; None otherwise.
@@ -68,12 +77,36 @@ def _spec_row_keys(runner, meta, seeds: torch.Tensor) -> tuple[tuple[torch.Tenso
     return (seeds[req], base[req] + torch.arange(req.shape[0]) - first), base + counts
 
 
+@functools.cache
+def _warn_explicit_v2() -> None:
+    logger.warning("batch-invariant mode with VLLM_USE_V2_MODEL_RUNNER=1: the V2 runner samples with vLLM's own "
+                   "seeded sampler (not verified for invariance); unset it for the verified V1 runner")
+
+
 def apply() -> None:
+    from vllm.config.vllm import VllmConfig
     from vllm.v1.sample import rejection_sampler
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     if getattr(GPUModelRunner._sample, "_deepinfer", False):
         return
+    v2 = VllmConfig._get_v2_model_runner_unsupported_features
+
+    @functools.wraps(v2)
+    def v2_unsupported(self) -> list[str]:
+        import vllm.envs as envs
+
+        from vllm_deepinfer import ops
+        from vllm_deepinfer.registry import is_deepinfer_model
+
+        if not (ops.invariant_requested(self) and is_deepinfer_model(self.model_config)):
+            return v2(self)
+        if envs.VLLM_USE_V2_MODEL_RUNNER is None:
+            return v2(self) + [V2_GAP]
+        if envs.VLLM_USE_V2_MODEL_RUNNER:
+            _warn_explicit_v2()
+        return v2(self)
+
     original = GPUModelRunner._sample
     constraints, reject = rejection_sampler.apply_sampling_constraints, rejection_sampler.rejection_sample
 
@@ -123,6 +156,8 @@ def apply() -> None:
             _ROW_KEYS = None
 
     _sample._deepinfer = apply_sampling_constraints._deepinfer = rejection_sample._deepinfer = True
+    v2_unsupported._deepinfer = True
+    VllmConfig._get_v2_model_runner_unsupported_features = v2_unsupported
     GPUModelRunner._sample = _sample
     rejection_sampler.apply_sampling_constraints = apply_sampling_constraints
     rejection_sampler.rejection_sample = rejection_sample
