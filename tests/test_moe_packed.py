@@ -10,6 +10,10 @@ vLLM's MXFP4 method on CUDA: tests/gpu, benchmarks/gpu_moe_check.py).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -100,3 +104,15 @@ def test_packed_checkpoint_generates_same_tokens(ckpt_root, monkeypatch):
                                                                                    o.outputs[0].token_ids)])
                          for o in outs]
     assert runs["packed"] == runs["bf16"]
+
+
+def test_moe_kernels_in_interpreter_child():
+    """`kernels_nvidia.moe` (the CUDA routed experts of batch-invariant mode) against the oracle, fp32 and bf16, and
+    its batch invariance, in Triton's interpreter (TRITON_INTERPRET=1 before Triton loads: a child pytest)."""
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu/test_moe_kernels.py"],
+                       cwd=root, env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=900)
+    summary = r.stdout.strip().splitlines()[-1]
+    print(summary)
+    assert r.returncode == 0 and "3 passed" in summary, r.stdout[-6000:] + r.stderr[-3000:]
