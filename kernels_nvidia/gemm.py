@@ -40,7 +40,7 @@ BATCH_INVARIANT = os.environ.get("KERNELS_NVIDIA_BATCH_INVARIANT", "0") == "1"
 # takes wo_a 83 / 100 / 154 us at M 256 / 512 / 1024 (214 / 343 / 446 TFLOP/s), so it wins above 256.
 DIRECT_MAX_M = 256
 # Fixed tiles of the direct kernel (never chosen from M): tokens x output features x K; a K tile spans
-# 128 / BK scale blocks (V4.1: 4 of 32), each element reads its block's scale byte.
+# 128 / BK scale blocks (V4.1: 4 of 32), one scale byte loaded per block and row.
 TILE_M, TILE_N, TILE_K, WARPS, STAGES = 64, 64, 128, 4, 4
 MIN_SPLIT_TILES = 4   # K tiles per split at least
 SPLIT_ROWS = 1024     # rows per launch when K is split: bounds the fp32 partials (split * rows * N * 4 B)
@@ -51,11 +51,20 @@ _DOT_F32 = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _dequant(codes, scale_bytes):
-    """E4M3 codes [BN, BK] times 2**(scale_bytes - 127) (bytes 1..254, broadcast) -> bf16, exact.
-    The power of two is built from its fp32 exponent bits (byte 0 gives 0 instead of 2**-127)."""
-    scale = (scale_bytes.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-    return (codes.to(tl.float32) * scale).to(tl.bfloat16)
+def _dequant(codes, s_ptrs, k0, K, rmask, BK: tl.constexpr):
+    """E4M3 codes [R, C] (columns k0 .. k0 + C) times their blocks' 2**(byte - 127) -> bf16, exact.
+
+    s_ptrs [R]: each row's scale-row pointer; one byte per BK columns is loaded ([R, C / BK], not one per
+    element) and broadcast in registers. The power of two is built from its fp32 exponent bits (byte 0 gives 0
+    instead of 2**-127; bytes 1..254)."""
+    R: tl.constexpr = codes.shape[0]
+    C: tl.constexpr = codes.shape[1]
+    WIDTH: tl.constexpr = BK if BK < C else C      # columns sharing one scale byte inside the tile
+    kg = k0 + WIDTH * tl.arange(0, C // WIDTH)
+    sb = tl.load(s_ptrs[:, None] + (kg // BK)[None, :], mask=rmask[:, None] & (kg < K)[None, :], other=127)
+    scale = (sb.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    w = tl.reshape(codes.to(tl.float32), (R, C // WIDTH, WIDTH)) * scale[:, :, None]
+    return tl.reshape(w, (R, C)).to(tl.bfloat16)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -71,17 +80,15 @@ def _fp8_gemm_kernel(X, W, S, Y, M, N, K, sx_m, sy_m, sy_s, s_sn, n_group, k_spl
     mmask, nmask = offs_m < M, offs_n < N
     x_base = X + offs_m[:, None].to(tl.int64) * sx_m + (pid_n * BLOCK_N // n_group) * K
     w_base = W + offs_n[:, None].to(tl.int64) * K
-    s_base = S + (offs_n // BN)[:, None] * s_sn
+    s_base = S + (offs_n // BN) * s_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     k_lo = pid_s * k_split
     for k0 in range(k_lo, k_lo + k_split, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         kmask = offs_k < K
         x = tl.load(x_base + offs_k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-        wmask = nmask[:, None] & kmask[None, :]
-        codes = tl.load(w_base + offs_k[None, :], mask=wmask, other=0.0)
-        sb = tl.load(s_base + (offs_k // BK)[None, :], mask=wmask, other=127)
-        w = _dequant(codes, sb)
+        codes = tl.load(w_base + offs_k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        w = _dequant(codes, s_base, k0, K, nmask, BK)
         if DOT_F32:
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
@@ -113,8 +120,8 @@ def _dequant_kernel(W, S, OUT, N, K, s_sn, BN: tl.constexpr, BK: tl.constexpr,
     mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
     idx = offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
     codes = tl.load(W + idx, mask=mask, other=0.0)
-    sb = tl.load(S + (offs_n // BN)[:, None] * s_sn + (offs_k // BK)[None, :], mask=mask, other=127)
-    tl.store(OUT + idx, _dequant(codes, sb), mask=mask)
+    k0 = tl.program_id(1) * BLOCK_K
+    tl.store(OUT + idx, _dequant(codes, S + (offs_n // BN) * s_sn, k0, K, offs_n < N, BK), mask=mask)
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], groups: int) -> None:
