@@ -203,6 +203,17 @@ def bench_moe_release(copy_gbs, gemm_tf, per_expert, w8, E8, D, I, K):
                    None, nbytes, flops, copy_gbs, gemm_tf)
         moe.SCALED_DOT = True
         print(f"  T={t} E={E}: dot_scaled / fp16-trick time {ms[True] / ms[False]:.2f}")
+        if t <= 64:  # dot_scaled tiles (BM, BN, BK, warps): decode reads ~1 row per expert tile
+            keep = moe.BM, moe.BN, moe.BK, moe.WARPS
+            for tiles in ((16, 64, 128, 4), (16, 32, 128, 4), (64, 32, 128, 4), (16, 64, 256, 4), (16, 128, 128, 8)):
+                moe.BM, moe.BN, moe.BK, moe.WARPS = tiles
+                try:
+                    record(f"  T={t} E={E} dot_scaled BM,BN,BK,warps={tiles}",
+                           bench(lambda: moe.routed_experts_packed(x, ids, weights, *w, 10.0)), None, nbytes, flops,
+                           copy_gbs, gemm_tf)
+                except Exception as e:  # noqa: BLE001
+                    print("  tiles", tiles, "failed:", type(e).__name__, str(e)[:200])
+            moe.BM, moe.BN, moe.BK, moe.WARPS = keep
 
 
 def bench_topk(copy_gbs, gemm_tf):
