@@ -184,8 +184,8 @@ def bench_moe(copy_gbs, gemm_tf, quick):
 
 def bench_moe_release(copy_gbs, gemm_tf, per_expert, w8, E8, D, I, K):
     """The same kernel at the release expert count (384, top-6: at decode each token reads its own experts),
-    with `tl.dot_scaled` (default) and with the fp16-trick dequantisation (`SCALED_DOT` off), same run. The
-    weights repeat the 8 experts above (bytes do not change the speed); no torch row (27 GB of bf16 experts)."""
+    default tiles and a tile sweep (BM, BN, BK, warps). The weights repeat the 8 experts above (bytes do not
+    change the speed); no torch row (27 GB of bf16 experts)."""
     from kernels_nvidia import moe
     E = 384
     w = [t.repeat(E // E8, *(1,) * (t.dim() - 1)) for t in w8]
@@ -195,25 +195,18 @@ def bench_moe_release(copy_gbs, gemm_tf, per_expert, w8, E8, D, I, K):
         x = torch.randn(t, D, device=DEV, dtype=BF)
         nbytes = ids.unique().numel() * per_expert + 2 * x.numel() * 2
         flops = 2 * t * K * 3 * D * I
-        ms = {}
-        for scaled in (True, False):
-            moe.SCALED_DOT = scaled
-            ms[scaled] = bench(lambda: moe.routed_experts_packed(x, ids, weights, *w, 10.0))
-            record(f"routed_experts_mxfp4 T={t} E={E} K={K} {'dot_scaled' if scaled else 'fp16-trick'}", ms[scaled],
-                   None, nbytes, flops, copy_gbs, gemm_tf)
-        moe.SCALED_DOT = True
-        print(f"  T={t} E={E}: dot_scaled / fp16-trick time {ms[True] / ms[False]:.2f}")
-        if t <= 64:  # dot_scaled tiles (BM, BN, BK, warps): decode reads ~1 row per expert tile
-            keep = moe.BM, moe.BN, moe.BK, moe.WARPS
-            for tiles in ((16, 64, 128, 4), (16, 32, 128, 4), (64, 32, 128, 4), (16, 64, 256, 4), (16, 128, 128, 8)):
-                moe.BM, moe.BN, moe.BK, moe.WARPS = tiles
-                try:
-                    record(f"  T={t} E={E} dot_scaled BM,BN,BK,warps={tiles}",
-                           bench(lambda: moe.routed_experts_packed(x, ids, weights, *w, 10.0)), None, nbytes, flops,
-                           copy_gbs, gemm_tf)
-                except Exception as e:  # noqa: BLE001
-                    print("  tiles", tiles, "failed:", type(e).__name__, str(e)[:200])
-            moe.BM, moe.BN, moe.BK, moe.WARPS = keep
+        record(f"routed_experts_mxfp4 T={t} E={E} K={K}", bench(lambda: moe.routed_experts_packed(x, ids, weights, *w, 10.0)),
+               None, nbytes, flops, copy_gbs, gemm_tf)
+        keep = moe.BM, moe.BN, moe.BK, moe.WARPS
+        for tiles in ((64, 64, 128, 4), (32, 64, 128, 4), (16, 32, 128, 4), (16, 128, 128, 8)):
+            moe.BM, moe.BN, moe.BK, moe.WARPS = tiles
+            try:
+                record(f"  T={t} E={E} BM,BN,BK,warps={tiles}",
+                       bench(lambda: moe.routed_experts_packed(x, ids, weights, *w, 10.0)), None, nbytes, flops,
+                       copy_gbs, gemm_tf)
+            except Exception as e:  # noqa: BLE001
+                print("  tiles", tiles, "failed:", type(e).__name__, str(e)[:200])
+        moe.BM, moe.BN, moe.BK, moe.WARPS = keep
 
 
 def bench_topk(copy_gbs, gemm_tf):

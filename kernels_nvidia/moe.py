@@ -23,15 +23,12 @@ fixed chunks, and a pair's row does not depend on the other rows of its tile, so
 bitwise independent of the batch. The GEMMs are "swap AB": the dequantised weight tile [BN, BK] is the
 left operand, the gathered activations [BK, BM] the right one (the tensor-core M dimension is the weight's).
 
-Dequantisation in registers. bf16 activations: `tl.dot_scaled` takes the packed bytes and the E8M0 bytes as
-stored; Triton upcasts e2m1 * 2**(scale - 127) to bf16 (exact; byte 0 gives 0) with byte permutes and runs the
-bf16 MMA. Compiled for sm_90 under triton 3.6 this kernel has ~1/5 of the hand-written path's shifts and masks,
-under half its conversions, half its registers and 60 % of its shared memory (its speed is unmeasured);
-`fast_math` skips the NaN select of byte 0xFF, which the loader rejects. fp32 activations (IEEE dots, tests and
-CPU-checked references): a nibble s|e1 e0|m is placed into an fp16 (sign -> bit 15, e1 e0 m -> bits 11..9),
-whose value is exactly e2m1 * 2**-14 (code 1 becomes the fp16 subnormal 2**-15; the conversion to fp32 is
-exact), then multiplied by 2**(scale - 113) in fp32: exact for scale bytes 1..240 (weights below 2**114); byte
-0 decodes as 0. Scale bytes are validated at load (0xFF is rejected).
+Dequantisation in registers: a nibble s|e1 e0|m is placed into an fp16 (sign -> bit 15, e1 e0 m -> bits
+11..9), whose value is exactly e2m1 * 2**-14 (code 1 becomes the fp16 subnormal 2**-15; the conversion to
+fp32 is exact), then multiplied by 2**(scale - 113) in fp32. Exact for scale bytes 1..240 (weights below
+2**114); byte 0 (2**-127) decodes as 0. Scale bytes are validated at load (0xFF is rejected).
+(`tl.dot_scaled` on the stored bytes was tried, 2026-12-07: fewer instructions in the sm_90 PTX, yet on an H100
+(host triton 3.6, release expert count) 1.1-1.2x slower at its best tiles than this path at its best.)
 """
 
 from __future__ import annotations
@@ -40,10 +37,12 @@ import torch
 import triton
 import triton.language as tl
 
-BM, BN, BK = 64, 64, 128  # pairs per row tile, output columns, reduction chunk (a multiple of 32)
+# Pairs per row tile, output columns, reduction chunk (a multiple of 32). BM 16: at the release expert count a
+# decode tile holds ~1 pair; H100 (host triton 3.6, E=384 top-6, D 5120, I 2304): 296 / 1,569 / 4,068 / 6,340 us
+# at T 1 / 16 / 64 / 256 against 297 / 2,134 / 5,713 / 8,854 with BM 64 (benchmarks/results/gpu-1207b).
+BM, BN, BK = 16, 64, 128
 BD_COMBINE = 512
 WARPS = 4
-SCALED_DOT = True  # bf16: tl.dot_scaled on the stored bytes; False: the fp16-trick dequantisation (A/B runs only)
 
 
 @triton.jit
@@ -84,34 +83,18 @@ def _mxfp4_tile(w_ptr, s_ptr, n, n_ok, k0, KD, stride_wn, stride_sn, BN: tl.cons
 
 
 @triton.jit
-def _mx_dot(w_ptr, s_ptr, n, n_ok, k0, KD, stride_wn, stride_sn, xt, acc, BN: tl.constexpr, BK: tl.constexpr,
-            IEEE: tl.constexpr, SCALED: tl.constexpr):
-    """acc + W[n, k0:k0+BK] @ xt [BK, BM] with fp32 accumulation (W as in `_mxfp4_tile`).
-
-    bf16 activations: `tl.dot_scaled` on the packed bytes and E8M0 bytes (SCALED), else `_mxfp4_tile` rounded to
-    bf16 and a bf16 dot; fp32 (IEEE): `_mxfp4_tile` and an IEEE dot (module docstring)."""
+def _dot(w, xt, acc, IEEE: tl.constexpr):
+    """acc + w [BN, BK] @ xt [BK, BM]: fp32 accumulation; w is rounded to xt's dtype (exact for MXFP4 values)."""
     if IEEE:
-        w = _mxfp4_tile(w_ptr, s_ptr, n, n_ok, k0, KD, stride_wn, stride_sn, BN, BK)
-        acc = tl.dot(w, xt, acc, input_precision="ieee")
-    elif not SCALED:
-        w = _mxfp4_tile(w_ptr, s_ptr, n, n_ok, k0, KD, stride_wn, stride_sn, BN, BK)
-        acc = tl.dot(w.to(xt.dtype), xt, acc)
-    else:
-        kb = k0 // 2 + tl.arange(0, BK // 2)
-        kg = k0 // 32 + tl.arange(0, BK // 32)
-        b = tl.load(w_ptr + n[:, None] * stride_wn + kb[None, :], mask=n_ok[:, None] & (kb < KD // 2)[None, :],
-                    other=0)
-        s = tl.load(s_ptr + n[:, None] * stride_sn + kg[None, :], mask=n_ok[:, None] & (kg < KD // 32)[None, :],
-                    other=0)
-        acc = tl.dot_scaled(b, s, "e2m1", xt, None, "bf16", acc, fast_math=True)
-    return acc
+        return tl.dot(w, xt, acc, input_precision="ieee")
+    return tl.dot(w.to(xt.dtype), xt, acc)
 
 
 @triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, order_ptr, ends_ptr, tile_ends_ptr, K_TOP, D, I, limit,
                     stride_x, stride_we, stride_wn, stride_se, stride_sn,
                     E: tl.constexpr, E_POW2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    IEEE: tl.constexpr, SCALED: tl.constexpr):
+                    IEEE: tl.constexpr):
     """h[r, n] = swiglu(x[token(r)] . w1[e, n], x[token(r)] . w3[e, n]) for the BM sorted pairs r of a row tile."""
     e, e64, rows, valid, tok = _row_tile(tile_ends_ptr, ends_ptr, order_ptr, E, E_POW2, K_TOP, BM)
     if e >= E:
@@ -125,8 +108,8 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, order_ptr, ends_ptr, tile_ends_p
         k = k0 + tl.arange(0, BK)
         xt = tl.load(x_ptr + tok[None, :].to(tl.int64) * stride_x + k[:, None],
                      mask=valid[None, :] & (k < D)[:, None], other=0.0)  # [BK, BM]
-        acc_a = _mx_dot(w_e, s_e, n, n_ok, k0, D, stride_wn, stride_sn, xt, acc_a, BN, BK, IEEE, SCALED)
-        acc_b = _mx_dot(w_e, s_e, n + I, n_ok, k0, D, stride_wn, stride_sn, xt, acc_b, BN, BK, IEEE, SCALED)
+        acc_a = _dot(_mxfp4_tile(w_e, s_e, n, n_ok, k0, D, stride_wn, stride_sn, BN, BK), xt, acc_a, IEEE)
+        acc_b = _dot(_mxfp4_tile(w_e, s_e, n + I, n_ok, k0, D, stride_wn, stride_sn, BN, BK), xt, acc_b, IEEE)
     dt = h_ptr.dtype.element_ty
     a = tl.minimum(acc_a.to(dt).to(tl.float32), limit)
     b = tl.minimum(tl.maximum(acc_b.to(dt).to(tl.float32), -limit), limit)
@@ -138,7 +121,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, order_ptr, ends_ptr, tile_ends_p
 def _down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, order_ptr, ends_ptr, tile_ends_ptr, K_TOP, D, I,
                  stride_we, stride_wn, stride_se, stride_sn,
                  E: tl.constexpr, E_POW2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 IEEE: tl.constexpr, SCALED: tl.constexpr):
+                 IEEE: tl.constexpr):
     """y[r, n] = h[r] . w2[e, n] for the BM sorted pairs r of a row tile (rows of h are in sorted order)."""
     e, e64, rows, valid, tok = _row_tile(tile_ends_ptr, ends_ptr, order_ptr, E, E_POW2, K_TOP, BM)
     if e >= E:
@@ -151,7 +134,7 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, y_ptr, order_ptr, ends_ptr, tile_ends_ptr,
         k = k0 + tl.arange(0, BK)
         ht = tl.load(h_ptr + rows[None, :].to(tl.int64) * I + k[:, None],
                      mask=valid[None, :] & (k < I)[:, None], other=0.0)  # [BK, BM]
-        acc = _mx_dot(w_e, s_e, n, n_ok, k0, I, stride_wn, stride_sn, ht, acc, BN, BK, IEEE, SCALED)
+        acc = _dot(_mxfp4_tile(w_e, s_e, n, n_ok, k0, I, stride_wn, stride_sn, BN, BK), ht, acc, IEEE)
     tl.store(y_ptr + rows[None, :].to(tl.int64) * D + n[:, None], acc.to(y_ptr.dtype.element_ty),
              mask=valid[None, :] & n_ok[:, None])
 
@@ -194,7 +177,7 @@ def routed_experts_packed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Ten
     order = order.to(torch.int32)
     n_tiles = min(T * K, T * K // BM + E)
     common = dict(E=E, E_POW2=triton.next_power_of_2(E), BM=BM, BN=BN, BK=BK, IEEE=x.dtype == torch.float32,
-                  SCALED=SCALED_DOT, num_warps=WARPS, num_stages=2)
+                  num_warps=WARPS, num_stages=2)
     h = x.new_empty(T * K, I)
     _gate_up_kernel[(n_tiles, triton.cdiv(I, BN))](
         x, w13, w13_scale, h, order, ends, tile_ends, K, D, I, float(limit), x.stride(0),

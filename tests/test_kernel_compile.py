@@ -147,17 +147,16 @@ def test_kv_record_kernels_compile(dtype):
         assert out.metadata.shared <= SM90_SHARED_BYTES, (split, out.metadata.shared)
 
 
-@pytest.mark.parametrize("dtype,scaled", [("bf16", True), ("bf16", False), ("fp32", True)])
-def test_moe_kernels_compile(dtype, scaled):
-    """The MXFP4 routed experts of batch-invariant mode: `tl.dot_scaled` on the packed bytes (bf16), the register
-    dequantisation (bf16 with `SCALED_DOT` off; fp32, IEEE dots), at the release expert count and the wrapper's
-    tiles and stages, within SM90's shared memory."""
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_moe_kernels_compile(dtype):
+    """The MXFP4 routed experts of batch-invariant mode (bf16 dots; fp32 IEEE dots) at the release expert count
+    and the wrapper's tiles and stages, within SM90's shared memory."""
     from kernels_nvidia import moe
 
     common = {"order_ptr": "*i32", "ends_ptr": "*i32", "tile_ends_ptr": "*i32", "K_TOP": "i32", "D": "i32", "I": "i32"}
     weights = {"w_ptr": "*u8", "s_ptr": "*u8"}
     strides = {"stride_we": "i64", "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32"}
-    cx = dict(E=384, E_POW2=512, BM=moe.BM, BN=moe.BN, BK=moe.BK, IEEE=dtype == "fp32", SCALED=scaled)
+    cx = dict(E=384, E_POW2=512, BM=moe.BM, BN=moe.BN, BK=moe.BK, IEEE=dtype == "fp32")
     gate_up = dict({"x_ptr": f"*{dtype}"}, **weights, h_ptr=f"*{dtype}", **common, limit="fp32", stride_x="i32",
                    **strides)
     down = dict({"h_ptr": f"*{dtype}"}, **weights, y_ptr=f"*{dtype}", **common, **strides)

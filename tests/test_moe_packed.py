@@ -107,12 +107,13 @@ def test_packed_checkpoint_generates_same_tokens(ckpt_root, monkeypatch):
 
 
 def test_moe_kernels_in_interpreter_child():
-    """`kernels_nvidia.moe` (the CUDA routed experts of batch-invariant mode) against the oracle, fp32 and bf16, and
-    its batch invariance, in Triton's interpreter (TRITON_INTERPRET=1 before Triton loads: a child pytest)."""
+    """`kernels_nvidia.moe` (the CUDA routed experts of batch-invariant mode) against the oracle in fp32 and its batch
+    invariance, in Triton's interpreter (TRITON_INTERPRET=1 before Triton loads: a child pytest; bf16 dots are
+    CUDA-only, the interpreter computes them wrongly)."""
     pytest.importorskip("triton")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu/test_moe_kernels.py"],
                        cwd=root, env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=900)
     summary = r.stdout.strip().splitlines()[-1]
     print(summary)
-    assert r.returncode == 0 and "3 passed" in summary, r.stdout[-6000:] + r.stderr[-3000:]
+    assert r.returncode == 0 and "2 passed" in summary, r.stdout[-6000:] + r.stderr[-3000:]
