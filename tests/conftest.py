@@ -109,6 +109,14 @@ def draft_policy(llm):
     return model_runner(llm).drafter.model.draft_policy
 
 
+def interpreter_child(*pytest_args: str) -> subprocess.CompletedProcess:
+    """A child pytest (repo root, `-q -p no:cacheprovider` + `pytest_args`) with TRITON_INTERPRET=1, which must be set
+    before Triton loads: how the CPU suite runs the Triton kernel tests written for CUDA."""
+    root = Path(__file__).resolve().parents[1]
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args], cwd=root,
+                          env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=900)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

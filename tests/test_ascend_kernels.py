@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -28,6 +26,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 import kernels_ascend  # noqa: E402
+from tests.conftest import interpreter_child  # noqa: E402
 from vllm_deepinfer.checkpoint import formats  # noqa: E402
 from vllm_deepinfer.ops import reference as ref  # noqa: E402
 
@@ -59,11 +58,7 @@ def test_in_interpreter_child():
     (Triton decides at import whether its own library functions are interpreted)."""
     if _direct_device() is not None:
         pytest.skip("the kernel tests run in this process")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
-                        "--deselect", f"{__file__}::test_in_interpreter_child", __file__],
-                       cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    r = interpreter_child("-s", "--deselect", f"{__file__}::test_in_interpreter_child", __file__)
     print("\n".join(line for line in r.stdout.splitlines() if "rel err" in line or "passed" in line
                     or "failed" in line or "seed" in line))
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]

@@ -13,14 +13,10 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from tests.conftest import engine, model_runner, tiny_checkpoint
+from tests.conftest import engine, interpreter_child, model_runner, tiny_checkpoint
 from tests.fidelity import prompt_ids
 from vllm_deepinfer.ops import quant, reference
 
@@ -67,11 +63,7 @@ def test_record_kernels_in_interpreter_child():
     """The Triton record paths (`kernels_nvidia`) and vLLM's own insert kernel, in Triton's interpreter
     (TRITON_INTERPRET=1 must be set before Triton loads, hence a child pytest); on CUDA they run in tests/gpu."""
     pytest.importorskip("triton")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        "tests/gpu/test_kv_record_kernels.py"],
-                       cwd=root, env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True,
-                       timeout=900)
+    r = interpreter_child("tests/gpu/test_kv_record_kernels.py")
     summary = r.stdout.strip().splitlines()[-1]
     print(summary)   # random-row stores and bf16 attention are CUDA-only (the interpreter's E4M3 / bf16 dot)
     assert r.returncode == 0 and " passed" in summary, r.stdout[-6000:] + r.stderr[-3000:]

@@ -10,16 +10,12 @@ vLLM's MXFP4 method on CUDA: tests/gpu, benchmarks/gpu_moe_check.py).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 from torch import nn
 from vllm.model_executor.layers.fused_moe import RoutedExperts
 
-from tests.conftest import engine, tiny_checkpoint
+from tests.conftest import engine, interpreter_child, tiny_checkpoint
 from vllm_deepinfer import ops
 from vllm_deepinfer.checkpoint.formats import dequant_mxfp4, quant_mxfp4
 from vllm_deepinfer.moe.method import TorchMoEMethod, expert_storage
@@ -111,9 +107,7 @@ def test_moe_kernels_in_interpreter_child():
     invariance, in Triton's interpreter (TRITON_INTERPRET=1 before Triton loads: a child pytest; bf16 dots are
     CUDA-only, the interpreter computes them wrongly)."""
     pytest.importorskip("triton")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu/test_moe_kernels.py"],
-                       cwd=root, env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=900)
+    r = interpreter_child("tests/gpu/test_moe_kernels.py")
     summary = r.stdout.strip().splitlines()[-1]
     print(summary)
     assert r.returncode == 0 and "2 passed" in summary, r.stdout[-6000:] + r.stderr[-3000:]
