@@ -4,7 +4,6 @@ bitwise check and timing (not run yet: the device refused). On a GPU host with t
     git show fbaf8c4:kernels_nvidia/gemm.py > /tmp/gemm_old.py
     PYTHONPATH=$PWD:/tmp python3 benchmarks/results/gpu-1207b/gemm_ab.py
 """
-import sys
 import torch
 from triton.testing import do_bench
 import gemm_old
