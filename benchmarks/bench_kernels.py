@@ -148,65 +148,48 @@ def bench_gemm_threshold(copy_gbs, gemm_tf, block=(32, 32)):
     kgemm.DIRECT_MAX_M, kgemm.BATCH_INVARIANT = keep
 
 
+#: (BM, BN, BK, warps) swept per expert count, for the record
+MOE_TILES = {8: ((16, 64, 128, 4), (32, 64, 128, 4), (64, 128, 128, 8), (64, 64, 256, 4), (128, 64, 128, 8)),
+             384: ((64, 64, 128, 4), (32, 64, 128, 4), (16, 32, 128, 4), (16, 128, 128, 8))}
+
+
 def bench_moe(copy_gbs, gemm_tf, quick):
-    """MXFP4 routed experts (kernels_nvidia.moe) at the full-width V4.1 config (D=5120, I=2304, E=8, top-6)
-    against the oracle's bf16 grouped-GEMM path on the dequantised weights. Bytes: the packed codes and
-    scales of the experts the batch touches, x and the output; FLOPs: 2 * T*K * 3*D*I."""
+    """MXFP4 routed experts (kernels_nvidia.moe) at the full-width V4.1 widths (D=5120, I=2304, top-6): with 8
+    experts against the oracle's bf16 grouped-GEMM path on the dequantised weights, and at the release count (384:
+    at decode each token reads its own experts; the weights repeat the 8 experts, bytes do not change the speed; no
+    torch row, 27 GB of bf16 experts). Bytes: the packed codes and scales of the experts the batch touches, x and
+    the output; FLOPs: 2 * T*K * 3*D*I."""
     from kernels_nvidia import moe
-    E, D, I, K = 8, 5120, 2304, 6
-    w = [torch.randint(0, 256, shape, device=DEV, dtype=torch.uint8) for shape in
-         ((E, 2 * I, D // 2), (E, 2 * I, D // 32), (E, D, I // 2), (E, D, I // 32))]
-    w[1].clamp_(118, 126)  # random codes with scales 2^-9..2^-1: finite outputs
-    w[3].clamp_(118, 126)
-    w13, w2 = (dequant_mxfp4(c, sc, checked=False).to(BF) for c, sc in ((w[0], w[1]), (w[2], w[3])))
-    per_expert = sum(t[0].numel() for t in w)
-    for t in ((1, 16, 64, 256) if quick else (1, 16, 64, 256, 4096)):
-        ids = torch.rand(t, E, device=DEV).argsort(dim=1)[:, :K]
-        weights = torch.rand(t, K, device=DEV)
-        x = torch.randn(t, D, device=DEV, dtype=BF)
-        nbytes = ids.unique().numel() * per_expert + 2 * x.numel() * 2
-        flops = 2 * t * K * 3 * D * I
-        ms_k = bench(lambda: moe.routed_experts_packed(x, ids, weights, *w, 10.0))
-        ms_r = bench(lambda: ref.routed_experts(x, ids, weights, w13, w2, 10.0))
-        record(f"routed_experts_mxfp4 T={t} E={E} K={K}", ms_k, ms_r, nbytes, flops, copy_gbs, gemm_tf)
-        if t in (16, 64, 4096):  # tile sweep for the record (BM, BN, BK, warps)
-            for tiles in ((16, 64, 128, 4), (32, 64, 128, 4), (64, 128, 128, 8), (64, 64, 256, 4), (128, 64, 128, 8)):
-                keep = moe.BM, moe.BN, moe.BK, moe.WARPS
+    E8, D, I, K = 8, 5120, 2304, 6
+    w8 = [torch.randint(0, 256, shape, device=DEV, dtype=torch.uint8) for shape in
+          ((E8, 2 * I, D // 2), (E8, 2 * I, D // 32), (E8, D, I // 2), (E8, D, I // 32))]
+    w8[1].clamp_(118, 126)  # random codes with scales 2^-9..2^-1: finite outputs
+    w8[3].clamp_(118, 126)
+    w13, w2 = (dequant_mxfp4(c, sc, checked=False).to(BF) for c, sc in ((w8[0], w8[1]), (w8[2], w8[3])))
+    per_expert = sum(t[0].numel() for t in w8)
+    small = (1, 16, 64, 256) if quick else (1, 16, 64, 256, 4096)
+    for E, sizes, sweep in ((E8, small, (16, 64, 4096)), (384, (1, 16, 64, 256), (1, 16, 64, 256))):
+        w = w8 if E == E8 else [t.repeat(E // E8, *(1,) * (t.dim() - 1)) for t in w8]
+        for t in sizes:
+            ids = torch.rand(t, E, device=DEV).argsort(dim=1)[:, :K]
+            weights = torch.rand(t, K, device=DEV)
+            x = torch.randn(t, D, device=DEV, dtype=BF)
+            nbytes = ids.unique().numel() * per_expert + 2 * x.numel() * 2
+            flops = 2 * t * K * 3 * D * I
+            ms_r = bench(lambda: ref.routed_experts(x, ids, weights, w13, w2, 10.0)) if E == E8 else None
+            ms_k = bench(lambda: moe.routed_experts_packed(x, ids, weights, *w, 10.0))
+            record(f"routed_experts_mxfp4 T={t} E={E} K={K}", ms_k, ms_r, nbytes, flops, copy_gbs, gemm_tf)
+            if t not in sweep:
+                continue
+            keep = moe.BM, moe.BN, moe.BK, moe.WARPS
+            for tiles in MOE_TILES[E]:
                 moe.BM, moe.BN, moe.BK, moe.WARPS = tiles
                 try:
                     ms_k = bench(lambda: moe.routed_experts_packed(x, ids, weights, *w, 10.0))
-                    record(f"  T={t} BM,BN,BK,warps={tiles}", ms_k, None, nbytes, flops, copy_gbs, gemm_tf)
+                    record(f"  T={t} E={E} BM,BN,BK,warps={tiles}", ms_k, None, nbytes, flops, copy_gbs, gemm_tf)
                 except Exception as e:  # noqa: BLE001
                     print("  tiles", tiles, "failed:", type(e).__name__, str(e)[:200])
-                moe.BM, moe.BN, moe.BK, moe.WARPS = keep
-    bench_moe_release(copy_gbs, gemm_tf, per_expert, w, E, D, I, K)
-
-
-def bench_moe_release(copy_gbs, gemm_tf, per_expert, w8, E8, D, I, K):
-    """The same kernel at the release expert count (384, top-6: at decode each token reads its own experts),
-    default tiles and a tile sweep (BM, BN, BK, warps). The weights repeat the 8 experts above (bytes do not
-    change the speed); no torch row (27 GB of bf16 experts)."""
-    from kernels_nvidia import moe
-    E = 384
-    w = [t.repeat(E // E8, *(1,) * (t.dim() - 1)) for t in w8]
-    for t in (1, 16, 64, 256):
-        ids = torch.rand(t, E, device=DEV).argsort(dim=1)[:, :K]
-        weights = torch.rand(t, K, device=DEV)
-        x = torch.randn(t, D, device=DEV, dtype=BF)
-        nbytes = ids.unique().numel() * per_expert + 2 * x.numel() * 2
-        flops = 2 * t * K * 3 * D * I
-        record(f"routed_experts_mxfp4 T={t} E={E} K={K}", bench(lambda: moe.routed_experts_packed(x, ids, weights, *w, 10.0)),
-               None, nbytes, flops, copy_gbs, gemm_tf)
-        keep = moe.BM, moe.BN, moe.BK, moe.WARPS
-        for tiles in ((64, 64, 128, 4), (32, 64, 128, 4), (16, 32, 128, 4), (16, 128, 128, 8)):
-            moe.BM, moe.BN, moe.BK, moe.WARPS = tiles
-            try:
-                record(f"  T={t} E={E} BM,BN,BK,warps={tiles}",
-                       bench(lambda: moe.routed_experts_packed(x, ids, weights, *w, 10.0)), None, nbytes, flops,
-                       copy_gbs, gemm_tf)
-            except Exception as e:  # noqa: BLE001
-                print("  tiles", tiles, "failed:", type(e).__name__, str(e)[:200])
-        moe.BM, moe.BN, moe.BK, moe.WARPS = keep
+            moe.BM, moe.BN, moe.BK, moe.WARPS = keep
 
 
 def bench_topk(copy_gbs, gemm_tf):

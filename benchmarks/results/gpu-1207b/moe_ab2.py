@@ -1,7 +1,7 @@
 """The A/B of h100_moe_ab_tiles2.log (run inline on the H100, host torch): fp16-trick dequantisation (T) vs
 tl.dot_scaled (S, since removed from kernels_nvidia.moe) at (BM, BN) tiles, E=384 top-6, D 5120, I 2304.
 Kept as the record of what ran; the S rows need the kernel of commit d047cf0. The same sweep for the current
-kernel: `PYTHONPATH=$PWD python3 benchmarks/bench_kernels.py --moe-only --quick` (release-count rows)."""
+kernel: `PYTHONPATH=$PWD python3 benchmarks/bench_kernels.py --moe-only --quick` (E=384 rows)."""
 import torch
 from triton.testing import do_bench
 from kernels_nvidia import moe
