@@ -1,22 +1,31 @@
 """mHC (manifold-constrained hyper-connections, model-spec §3.2): Triton kernels.
 
-* `hc_coefficients`: two launches. (1) fixed split-K partial products mu_part = v . fn^T and sum(v^2)
-  over chunks of KCHUNK of the h*D reduction (the chunk depends on the model width only, never on T);
-  (2) per token: sum the partials in split order, RMS scale, sigmoid pre/post and the full Sinkhorn
-  (softmax + alternating normalisations) in registers, one [h, h] matrix per token.
+* `hc_coefficients`: two launches. (1) split-K partial products mu_part = v . fn^T and sum(v^2)
+  over chunks of the h*D reduction, BT tokens a program; (2) per token: sum the partials in split order,
+  RMS scale, sigmoid pre/post and the full Sinkhorn (softmax + alternating normalisations) in registers,
+  one [h, h] matrix per token. Tiles: (BT 16, KCHUNK 256) below WIDE_FROM_T tokens and always in
+  batch-invariant mode (then they depend on the model width only, never on T); (BT 64, KCHUNK 1024) from
+  WIDE_FROM_T tokens on (prefill): fn, read once per program, is then re-read 4x less, and the partials
+  buffer is 4x smaller.
 * `hc_collapse`: u = sum_j w_j X_j (fp32 accumulate), one pass over the streams.
 * `hc_expand`: X'_k = post_k y + sum_j C_jk X_j, one pass (streams and y read once, streams written once).
-Every reduction runs in a fixed order and every tile is fixed: batch-invariant.
+Every reduction runs in a fixed order; with BATCH_INVARIANT every tile is fixed: batch-invariant.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
+# fixed tiles for every T (set by `vllm_deepinfer.ops.configure_invariant` in batch-invariant mode)
+BATCH_INVARIANT = os.environ.get("KERNELS_NVIDIA_BATCH_INVARIANT", "0") == "1"
 KCHUNK = 256  # split-K chunk of the coefficient GEMM (fixed: batch-invariant). 1024 gave 20 programs per
 # 16 tokens at V4.1 widths (h*D = 20480): 22 us per call at T = 16 on the H200, most SMs idle.
+WIDE_FROM_T, WIDE_BT, WIDE_KCHUNK = 256, 64, 1024  # prefill tiles (not batch-invariant across the threshold).
+# At BT 16 every program re-reads a [KCHUNK, MP] fp32 slice of fn from L2: 4x the bytes of its x tile.
 TCHUNK = 4096  # tokens per launch pair: bounds the partials buffer (nsplit * TCHUNK * MP fp32, 42 MB)
 
 
@@ -96,7 +105,9 @@ def hc_coefficients(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor,
         x = x.contiguous()
     fn, base, scale = fn.float().contiguous(), base.float().contiguous(), scale.float().contiguous()
     dev = streams.device
-    nsplit = triton.cdiv(k, KCHUNK)
+    wide = t >= WIDE_FROM_T and not BATCH_INVARIANT
+    bt, kchunk = (WIDE_BT, WIDE_KCHUNK) if wide else (16, KCHUNK)
+    nsplit = triton.cdiv(k, kchunk)
     pre = torch.empty(t, h, dtype=torch.float32, device=dev)
     post = torch.empty(t, h, dtype=torch.float32, device=dev)
     comb = torch.empty(t, h, h, dtype=torch.float32, device=dev)
@@ -105,12 +116,11 @@ def hc_coefficients(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor,
     n = min(t, TCHUNK)
     part = torch.empty(nsplit, n, mp, dtype=torch.float32, device=dev)
     sq = torch.empty(nsplit, n, dtype=torch.float32, device=dev)
-    bt = 16
     for t0 in range(0, t, TCHUNK):  # a token's coefficients do not depend on its chunk
         c = min(TCHUNK, t - t0)
         _hc_mu_partial_kernel[(triton.cdiv(c, bt), nsplit)](
             x[t0:], fn, part, sq, c, k, m, x.stride(0), fn.stride(0),
-            KCHUNK=KCHUNK, BT=bt, BK=64, MP=mp, num_warps=4, num_stages=2)
+            KCHUNK=kchunk, BT=bt, BK=64, MP=mp, num_warps=4, num_stages=3 if wide else 2)
         _finalize(part, sq, base, scale, pre[t0:], post[t0:], comb[t0:], c, k, rms_eps, hc_eps, sinkhorn_iters, h)
     return pre, post, comb
 

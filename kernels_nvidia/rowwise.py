@@ -5,7 +5,8 @@
   oracle runs five kernels: cast, square, mean, rsqrt, products).
 * `apply_rope(x, cos, sin, inverse)`: the GPT-J rotation of the last 2 * cos.shape[-1] dims, the rest of
   each row copied, one program per (token, middle index) (the oracle: slices, casts, four products, a
-  stack and a cat).
+  stack and a cat); `apply_rope_` the same in place, touching the rotated dims only, one program per token
+  and up to 16 middle indices.
 * `swiglu(a, b, limit)`: silu(min(a, l)) * clamp(b, -l, l) of the two GEMM products, one pass over
   (possibly strided) rows (the oracle: two casts, two clamps, silu, product, cast).
 
@@ -48,37 +49,71 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 
 @triton.jit
 def _rope_kernel(X, C, S, Y, M, NOPE, sx_t, sx_m, sc_t, sy_t, sy_m, SIGN: tl.constexpr,
-                 BLOCK_N: tl.constexpr, HALF: tl.constexpr):
+                 BLOCK_N: tl.constexpr, HALF: tl.constexpr, BM: tl.constexpr, COPY: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    m = tl.program_id(1).to(tl.int64)
-    x_row, y_row = X + t * sx_t + m * sx_m, Y + t * sy_t + m * sy_m
-    for n0 in range(0, NOPE, BLOCK_N):  # the part without rotation: a copy
-        offs = n0 + tl.arange(0, BLOCK_N)
-        tl.store(y_row + offs, tl.load(x_row + offs, mask=offs < NOPE), mask=offs < NOPE)
-    i = tl.arange(0, HALF)
-    a = tl.load(x_row + NOPE + 2 * i).to(tl.float32)
-    b = tl.load(x_row + NOPE + 2 * i + 1).to(tl.float32)
+    offs_m = tl.program_id(1) * BM + tl.arange(0, BM)
+    mmask = offs_m[:, None] < M
+    x_rows = X + t * sx_t + offs_m[:, None].to(tl.int64) * sx_m          # [BM, 1]
+    y_rows = Y + t * sy_t + offs_m[:, None].to(tl.int64) * sy_m
+    if COPY:  # the part without rotation
+        for n0 in range(0, NOPE, BLOCK_N):
+            offs = n0 + tl.arange(0, BLOCK_N)[None, :]
+            m = mmask & (offs < NOPE)
+            tl.store(y_rows + offs, tl.load(x_rows + offs, mask=m), mask=m)
+    i = tl.arange(0, HALF)[None, :]
+    a = tl.load(x_rows + NOPE + 2 * i, mask=mmask).to(tl.float32)
+    b = tl.load(x_rows + NOPE + 2 * i + 1, mask=mmask).to(tl.float32)
     c = tl.load(C + t * sc_t + i)
     s = tl.load(S + t * sc_t + i) * SIGN
-    tl.store(y_row + NOPE + 2 * i, (a * c - b * s).to(Y.dtype.element_ty))
-    tl.store(y_row + NOPE + 2 * i + 1, (b * c + a * s).to(Y.dtype.element_ty))
+    tl.store(y_rows + NOPE + 2 * i, (a * c - b * s).to(Y.dtype.element_ty), mask=mmask)
+    tl.store(y_rows + NOPE + 2 * i + 1, (b * c + a * s).to(Y.dtype.element_ty), mask=mmask)
+
+
+def _rope_rows(x: torch.Tensor, cos: torch.Tensor) -> tuple[int, int]:
+    """(half, n) of a rotation of x [N, ..., n] by cos [N, r/2], or NotImplementedError."""
+    half, n = cos.shape[-1], x.shape[-1]
+    if half & (half - 1) or 2 * half > n or cos.shape[0] != x.shape[0]:
+        raise NotImplementedError(f"rotary half width {half} must be a power of two <= {n // 2}, one row per token")
+    return half, n
+
+
+def _launch_rope(rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, y: torch.Tensor, inverse: bool,
+                 copy: bool) -> None:
+    """rows, y: [N, M, n] (unit inner stride); rotates the last 2 * cos.shape[-1] dims of rows into y."""
+    if not rows.numel():
+        return
+    half, n = cos.shape[-1], rows.shape[-1]
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    bm = 1 if copy else min(16, triton.next_power_of_2(rows.shape[1]))
+    _rope_kernel[(rows.shape[0], triton.cdiv(rows.shape[1], bm))](
+        rows, cos, sin, y, rows.shape[1], n - 2 * half, rows.stride(0), rows.stride(1), cos.stride(0),
+        y.stride(0), y.stride(1), SIGN=-1.0 if inverse else 1.0, BLOCK_N=256, HALF=half, BM=bm, COPY=copy,
+        num_warps=2)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """x: [N, ..., n]; cos/sin: [N, r/2] fp32 (r/2 a power of two) -> x.dtype, the same shape."""
-    half, n = cos.shape[-1], x.shape[-1]
-    if half & (half - 1) or 2 * half > n or cos.shape[0] != x.shape[0]:
-        raise NotImplementedError(f"rotary half width {half} must be a power of two <= {n // 2}, one row per token")
+    _, n = _rope_rows(x, cos)
     rows = x.reshape(x.shape[0], -1, n)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    cos, sin = cos.float().contiguous(), sin.float().contiguous()
     y = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
-    if rows.numel():
-        _rope_kernel[(rows.shape[0], rows.shape[1])](
-            rows, cos, sin, y, rows.shape[1], n - 2 * half, rows.stride(0), rows.stride(1), cos.stride(0),
-            y.stride(0), y.stride(1), SIGN=-1.0 if inverse else 1.0, BLOCK_N=256, HALF=half, num_warps=2)
+    _launch_rope(rows, cos, sin, y, inverse, copy=True)
     return y.view(x.shape)
+
+
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """`apply_rope` in place: reads and writes only the rotated 2 * cos.shape[-1] dims of x [N, ..., n]
+    (the copying form moves whole rows: 8x the bytes for 512-wide heads with 64 rotated dims). Returns x."""
+    _, n = _rope_rows(x, cos)
+    try:
+        rows = x.view(x.shape[0], -1, n)
+    except RuntimeError:
+        raise NotImplementedError("apply_rope_ needs x viewable as [N, M, n]") from None
+    if rows.stride(-1) != 1:
+        raise NotImplementedError("apply_rope_ needs a unit inner stride")
+    _launch_rope(rows, cos, sin, rows, inverse, copy=False)
+    return x
 
 
 @triton.jit

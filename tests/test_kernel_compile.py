@@ -3,7 +3,8 @@
 The interpreter tests (`TRITON_INTERPRET=1 pytest tests/gpu`) check the kernels' numbers but not that the compiler
 accepts them (the interpreter is laxer about types); Triton's NVIDIA backend, bundled with the wheel, compiles to a
 cubin here. Covered: the kernels added without a GPU run behind them (paged slots, the mHC finalize with a
-non-power-of-two partial width, the radix-select top-k, the clamped SwiGLU, the MoE router), every constexpr variant
+non-power-of-two partial width and the partial products' two tile sets, the radix-select top-k, the clamped SwiGLU,
+RoPE in place, the MoE router), every constexpr variant
 the wrappers launch.
 """
 
@@ -65,6 +66,18 @@ def test_hc_finalize_compiles(mp):
     _compile(mhc._hc_finalize_kernel, sig, dict(NSPLIT=5, HC=4, MP=mp, BT=16))
 
 
+def test_hc_partial_kernel_compiles():
+    """The mHC coefficient partial products at both tile sets the wrapper launches (decode and prefill)."""
+    from kernels_nvidia import mhc
+
+    sig = {"X": "*bf16", "FN": "*fp32", "PART": "*fp32", "SQ": "*fp32", "T": "i32", "K": "i32", "M": "i32",
+           "sx_t": "i32", "sfn_m": "i32"}
+    for bt, kchunk, stages in ((16, mhc.KCHUNK, 2), (mhc.WIDE_BT, mhc.WIDE_KCHUNK, 3)):
+        out = _compile(mhc._hc_mu_partial_kernel, sig, dict(KCHUNK=kchunk, BT=bt, BK=64, MP=32), num_stages=stages,
+                       aligned=("X", "FN", "PART", "SQ", "sx_t", "sfn_m"))
+        assert out.metadata.shared <= SM90_SHARED_BYTES
+
+
 @pytest.mark.parametrize("nv", ["*i64", "*i32"])
 def test_topk_rows_kernels_compile(nv):
     """The radix-select top-k: the four digit passes, the select and the sort at the k of the indexer
@@ -86,6 +99,16 @@ def test_swiglu_compiles():
 
     sig = {"A": "*bf16", "B": "*bf16", "Y": "*bf16", "N": "i32", "sa": "i32", "sb": "i32", "sy": "i32", "limit": "fp32"}
     _compile(rowwise._swiglu_kernel, sig, dict(BLOCK=1024))
+
+
+def test_rope_kernel_compiles():
+    """RoPE, copying (one row a program) and in place (16 rows a program, no copy loop)."""
+    from kernels_nvidia import rowwise
+
+    sig = {"X": "*bf16", "C": "*fp32", "S": "*fp32", "Y": "*bf16", "M": "i32", "NOPE": "i32", "sx_t": "i32",
+           "sx_m": "i32", "sc_t": "i32", "sy_t": "i32", "sy_m": "i32"}
+    for copy, bm in ((True, 1), (False, 16)):
+        _compile(rowwise._rope_kernel, sig, dict(SIGN=-1.0, BLOCK_N=256, HALF=32, BM=bm, COPY=copy), num_warps=2)
 
 
 @pytest.mark.parametrize("e,k", [(384, 6), (8, 2), (16, 6), (512, 8), (256, 1)])

@@ -178,6 +178,26 @@ def test_apply_rope(device, dtype, shape, half, inverse):
     assert err < BOUND[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape,half", [((9, 4, 512), 32), ((9, 512), 32), ((6, 20, 128), 32), ((5, 64), 32)])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_apply_rope_in_place(device, dtype, shape, half, inverse):
+    """The in-place form: bitwise the copying kernel, on x itself (also a column slice of a wider buffer)."""
+    from kernels_nvidia import ops as kn
+    _seed()
+    wide = torch.randn(*shape[:-1], shape[-1] + 32, device=device).to(dtype)
+    for x in (torch.randn(*shape, device=device).to(dtype), wide[..., 16:16 + shape[-1]]):
+        ang = torch.rand(shape[0], half, device=device) * 100
+        cos, sin = ang.cos(), ang.sin()
+        want = kn.apply_rope(x, cos, sin, inverse)
+        before = wide.clone()
+        out = kn.apply_rope_(x, cos, sin, inverse)
+        assert out is x and torch.equal(x, want)
+        if x.data_ptr() != wide[..., 16:].data_ptr():
+            continue
+        assert torch.equal(wide[..., :16], before[..., :16]) and torch.equal(wide[..., -16:], before[..., -16:])
+
+
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sparse_attention_paged(device, dtype, split, monkeypatch):
@@ -400,11 +420,14 @@ def test_topk_rows_radix_long_rows_short_prefix(device):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_hc_coefficients(device, dtype):
+@pytest.mark.parametrize("wide", [False, True], ids=["decode-tiles", "prefill-tiles"])
+def test_hc_coefficients(device, dtype, wide, monkeypatch):
+    from kernels_nvidia import mhc
     from kernels_nvidia import ops as kn
     _seed()
     h, d = 4, (256 if _small(device) else 4096)
     t = 7 if _small(device) else 333
+    monkeypatch.setattr(mhc, "WIDE_FROM_T", 1 if wide else t + 1)
     m = (2 + h) * h
     streams = torch.randn(t, h, d, device=device).to(dtype)
     fn = torch.randn(m, h * d, device=device) * 0.02
@@ -482,11 +505,15 @@ def test_softmax_pool(device, slots, width):
 
 def test_batch_invariance(device, monkeypatch):
     """A token's result does not depend on the other tokens of the batch (bitwise), in the default
-    mode for every kernel but the gather attention, and for that one in KERNELS_NVIDIA_BATCH_INVARIANT mode."""
+    mode for every kernel but the gather attention and the mHC coefficients' prefill tiles, and for those in
+    KERNELS_NVIDIA_BATCH_INVARIANT mode."""
     from kernels_nvidia import attention as kattn
+    from kernels_nvidia import mhc
     from kernels_nvidia import ops as kn
     _skip_interp_bf16_dot(device, torch.bfloat16)
     monkeypatch.setattr(kattn, "BATCH_INVARIANT", True)
+    monkeypatch.setattr(mhc, "BATCH_INVARIANT", True)
+    monkeypatch.setattr(mhc, "WIDE_FROM_T", 2)  # invariant mode keeps the decode tiles above the threshold too
     _seed()
     small = _small(device)
     h, n = (16, 96) if small else (64, 700)

@@ -78,7 +78,7 @@ class Attention(nn.Module):
         """
         cos, sin = batch.token_cos_sin(self.rope)
         cq, kv = self.wq_a.forward_group(x)  # x wq_a^T, x wkv^T
-        kv = ops.apply_rope(self.kv_norm(kv), cos, sin)
+        kv = ops.apply_rope_(self.kv_norm(kv), cos, sin)  # in place: fresh tensors (here and below)
         if self.parity_kv:  # fp8_ds_mla window record
             kv = quant.kv_record_roundtrip(kv, rope_dim=2 * cos.shape[-1])
         if self.compressor is not None and batch.has_cache:
@@ -99,7 +99,7 @@ class Attention(nn.Module):
         q = self.wq_b(cq).view(x.shape[0], self.n_heads, self.head_dim)
         if self.per_head_q_norm:
             q = ops.rms_norm(q, None, self.eps)
-        q = ops.apply_rope(q, cos, sin)
+        q = ops.apply_rope_(q, cos, sin)
         if not batch.has_cache:  # vLLM dummy/profiling run (activations as in a real step): no cache to attend to
             return torch.zeros_like(x)
         selected = None
@@ -121,7 +121,7 @@ class Attention(nn.Module):
             out = quant.act_roundtrip(ops.apply_rope(out.float(), cos, sin, inverse=True), 128,
                                       bf16_first=False).to(out.dtype)
         else:
-            out = ops.apply_rope(out, cos, sin, inverse=True)
+            out = ops.apply_rope_(out, cos, sin, inverse=True)
         # z = grouped wo_a product; wo_b as a Linear (parity: its W8A8 input quantiser runs on z)
         return self.wo_b(self.wo_a.matmul(out.flatten(1)))
 

@@ -74,7 +74,7 @@ class Indexer(nn.Module):
         t = x.shape[0]
         q = self.wq_b(cq).view(t, self.n_heads, self.head_dim)
         cos, sin = batch.token_cos_sin(self.rope)
-        q = ops.apply_rope(q, cos, sin)
+        q = ops.apply_rope_(q, cos, sin)  # in place: wq_b's fresh output
         if self.parity_q:  # FP8 index q, one pow2 scale per (token, head)
             q = quant.index_query_roundtrip(q)
         w = self.weights_proj(x).float() * self.weight_scale

@@ -102,6 +102,10 @@ def apply_rope(x, cos, sin, inverse=False):
     return _dispatch("apply_rope", x, x, cos, sin, inverse)
 
 
+def apply_rope_(x, cos, sin, inverse=False):
+    return _dispatch("apply_rope_", x, x, cos, sin, inverse)
+
+
 def sparse_attention(q, keys, allowed, sink, scale):
     return _dispatch("sparse_attention", q, q, keys, allowed, sink, scale)
 
@@ -227,17 +231,17 @@ def configure_invariant(vllm_config=None) -> bool:
     On CUDA it also selects the fixed-tile variants of `kernels_nvidia` (the module flags that
     `KERNELS_NVIDIA_BATCH_INVARIANT=1` sets): the FP8 block GEMM keeps its direct kernel for every M
     (no dequant + cuBLAS above `DIRECT_MAX_M`), sparse attention always takes the gather form and
-    never splits a token's key reduction.
+    never splits a token's key reduction, the mHC coefficients keep their decode tiles for every T.
     """
     on = invariant_requested(vllm_config)
     reference.BATCH_INVARIANT = on
     if torch.cuda.is_available() and KERNELS != "reference":
         try:
-            from kernels_nvidia import attention, gemm
+            from kernels_nvidia import attention, gemm, mhc
         except ImportError:  # no Triton: the reference ops run (their invariant variants)
             return on
         fixed = on or os.environ.get("KERNELS_NVIDIA_BATCH_INVARIANT") == "1"
-        gemm.BATCH_INVARIANT = attention.BATCH_INVARIANT = fixed
+        gemm.BATCH_INVARIANT = attention.BATCH_INVARIANT = mhc.BATCH_INVARIANT = fixed
     return on
 
 
@@ -302,7 +306,7 @@ def packed_storage(env: str, device_type: str) -> bool:
     return storage == "packed" or (storage == "auto" and device_type == "cuda")
 
 
-for _f in (rms_norm, apply_rope, sparse_attention, sparse_attention_indexed, sparse_attention_gathered,
+for _f in (rms_norm, apply_rope, apply_rope_, sparse_attention, sparse_attention_indexed, sparse_attention_gathered,
            sparse_attention_paged, kv_record_store, kv_record_gather, sparse_attention_records, row_slots, range_slots,
            softmax_pool, indexer_scores, indexer_scores_gathered, indexer_scores_paged,
            indexer_scores_ragged, topk_rows, linear_fp32_out, linear_fp8_block,

@@ -152,11 +152,8 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch
     return angles.cos().float(), angles.sin().float()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Interleaved (GPT-J) rotation of the last 2*cos.shape[-1] dims of x.
-
-    x: [N, ..., n]; cos/sin: [N, r/2] broadcast over the middle dims. Returns x.dtype.
-    """
+def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """The last 2*cos.shape[-1] dims of x rotated (GPT-J pairs), fp32: [N, ..., r]."""
     r = 2 * cos.shape[-1]
     shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
     c, s = cos.view(shape), sin.view(shape)
@@ -164,8 +161,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
         s = -s
     rot = x[..., -r:].float().unflatten(-1, (r // 2, 2))
     a, b = rot[..., 0], rot[..., 1]
-    out = torch.stack((a * c - b * s, b * c + a * s), dim=-1).flatten(-2)
-    return torch.cat((x[..., :-r], out.to(x.dtype)), dim=-1)
+    return torch.stack((a * c - b * s, b * c + a * s), dim=-1).flatten(-2)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Interleaved (GPT-J) rotation of the last 2*cos.shape[-1] dims of x.
+
+    x: [N, ..., n]; cos/sin: [N, r/2] broadcast over the middle dims. Returns x.dtype.
+    """
+    r = 2 * cos.shape[-1]
+    return torch.cat((x[..., :-r], _rotated(x, cos, sin, inverse).to(x.dtype)), dim=-1)
+
+
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """`apply_rope` in place: only the last 2*cos.shape[-1] dims of x are rewritten. Returns x."""
+    x[..., -2 * cos.shape[-1]:] = _rotated(x, cos, sin, inverse).to(x.dtype)
+    return x
 
 
 # ----------------------------------------------------------------------------- attention

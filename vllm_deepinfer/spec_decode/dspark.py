@@ -130,7 +130,7 @@ class DSparkAttention(Attention):
 
     def _keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: [T, D] -> window KV rows [T, d] (RoPE at the rows' positions)."""
-        kv = ops.apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
+        kv = ops.apply_rope_(self.kv_norm(self.wkv(x)), cos, sin)  # in place: fresh tensors (here and below)
         if self.parity_kv:  # fp8_ds_mla window record
             kv = quant.kv_record_roundtrip(kv, rope_dim=2 * cos.shape[-1])
         return kv
@@ -155,7 +155,7 @@ class DSparkAttention(Attention):
         (vLLM's profile run) the block attends to itself and the sink only."""
         t, n = x.shape[0], block.n
         cos, sin = self.rope.cos_sin(block.positions)
-        q = ops.apply_rope(self.wq_b(self.q_norm(self.wq_a(x))).view(t, self.n_heads, self.head_dim), cos, sin)
+        q = ops.apply_rope_(self.wq_b(self.q_norm(self.wq_a(x))).view(t, self.n_heads, self.head_dim), cos, sin)
         kv = self._keys(x, cos, sin)
         if block.attn_metadata is None:
             slots = torch.full((t // n, self.window), -1, dtype=torch.long, device=x.device)
@@ -165,7 +165,7 @@ class DSparkAttention(Attention):
         own = torch.arange(t, device=x.device).view(-1, n)                                           # [B, N]
         out = ops.sparse_attention_paged(q, self.window_cache.rows, slots.repeat_interleave(n, 0), kv,
                                          own.repeat_interleave(n, 0), self.attn_sink, self.scale)
-        out = ops.apply_rope(out, cos, sin, inverse=True)
+        out = ops.apply_rope_(out, cos, sin, inverse=True)
         return self.wo_b(self.wo_a.matmul(out.flatten(1)))
 
 
