@@ -1,8 +1,9 @@
 """The MoE router `sqrtsoftplus_route` (model-spec §3.8) as one Triton kernel, one program per token row.
 
-`sqrtsoftplus_route(logits, bias, topk, scale, forced)`: logits [T, E] fp32; bias None, [E] or [T, E] fp32 (per-token
-bias: V4.1 image tokens); forced None or [T, K] int (hash layers: the ids are given, only the weights computed) ->
-(ids [T, K] int64, weights [T, K] fp32). Per row: scores = sqrt(softplus(logits)) (torch's softplus: beta 1,
+`sqrtsoftplus_route(logits, bias, topk, scale, forced, vl, ids_dtype)`: logits [T, E] fp32; bias None, [E] or [T, E]
+fp32; forced None or [T, K] int (hash layers: the ids are given, only the weights computed); vl None or (bias_vl [E],
+token_ids [T], lo, hi): V4.1's image tokens (lo <= id < hi) take bias_vl, chosen per row inside the kernel (no
+per-layer mask and select) -> (ids [T, K] `ids_dtype` (int64 or int32), weights [T, K] fp32). Per row: scores = sqrt(softplus(logits)) (torch's softplus: beta 1,
 threshold 20), ids = the K largest scores + bias in descending order, ties to the lower expert id, weights =
 scale * picked / (sum(picked) + 1e-20) of the unbiased scores at the ids.
 
@@ -55,9 +56,10 @@ def _sqrt_softplus(x, EXACT: tl.constexpr):
 
 
 @triton.jit
-def _route_kernel(L, B, F, IDS, W, E, s_l, s_b, s_f, scale, HAS_BIAS: tl.constexpr, FORCED: tl.constexpr,
-                  K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr, EXACT: tl.constexpr):
-    """Row program_id(0): ids and weights; KP: a power of two >= K."""
+def _route_kernel(L, B, BVL, TOK, F, IDS, W, E, s_l, s_b, s_f, scale, lo, hi, HAS_BIAS: tl.constexpr,
+                  VL: tl.constexpr, FORCED: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
+                  EXACT: tl.constexpr):
+    """Row program_id(0): ids and weights; KP: a power of two >= K; VL: the row's token id picks B or BVL."""
     row = tl.program_id(0).to(tl.int64)
     ks = tl.arange(0, KP)
     kmask = ks < K
@@ -68,7 +70,12 @@ def _route_kernel(L, B, F, IDS, W, E, s_l, s_b, s_f, scale, HAS_BIAS: tl.constex
         valid = offs < E
         v = _sqrt_softplus(tl.load(L + row * s_l + offs, mask=valid, other=0.0), EXACT)
         if HAS_BIAS:
-            v = v + tl.load(B + row * s_b + offs, mask=valid, other=0.0)
+            b = tl.load(B + row * s_b + offs, mask=valid, other=0.0)
+            if VL:
+                tok = tl.load(TOK + row)
+                image = (tok >= lo) & (tok < hi)
+                b = tl.where(image, tl.load(BVL + offs, mask=valid, other=0.0), b)
+            v = v + b
         key = _radix_keys(v).to(tl.int32, bitcast=True) ^ -2147483648     # signed: torch.sort's order
         key = tl.where(valid, key, -2147483648)                        # padding below -inf: never picked (K <= E)
         packed = (key.to(tl.int64) << 32) | (BLOCK - 1 - offs).to(tl.int64)  # ties: the lower column is larger
@@ -84,7 +91,7 @@ def _route_kernel(L, B, F, IDS, W, E, s_l, s_b, s_f, scale, HAS_BIAS: tl.constex
     for i in tl.static_range(1, K):                # p_0 + p_1 + ... in order (each masked sum is exact: one term)
         total += tl.sum(tl.where(ks == i, picked, 0.0), 0)
     w = tl.div_rn(scale * picked, total + 1e-20)
-    tl.store(IDS + row * K + ks, ids, mask=kmask)
+    tl.store(IDS + row * K + ks, ids.to(IDS.dtype.element_ty), mask=kmask)
     tl.store(W + row * K + ks, w, mask=kmask)
 
 
@@ -96,15 +103,17 @@ def _warps(block: int, t: int) -> int:
 
 
 def sqrtsoftplus_route(logits: torch.Tensor, bias: torch.Tensor | None, topk: int, scale: float,
-                       forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits: [T, E] fp32; bias: None, [E] or [T, E]; forced: None or [T, K] int -> (ids [T, K] int64, weights
-    [T, K] fp32) (oracle semantics, see the module docstring; bias None without forced: no bias)."""
+                       forced: torch.Tensor | None = None, vl: tuple | None = None,
+                       ids_dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits: [T, E] fp32; bias: None, [E] or [T, E]; forced: None or [T, K] int; vl: None or (bias_vl [E],
+    token_ids [T], lo, hi) -> (ids [T, K] ids_dtype, weights [T, K] fp32) (oracle semantics, see the module
+    docstring; bias None without forced: no bias)."""
     t, e = logits.shape
     k = forced.shape[-1] if forced is not None else int(topk)
-    if k < 1 or k > MAX_K or k > e or e > MAX_E:
-        raise NotImplementedError(f"sqrtsoftplus_route: K = {k}, E = {e} outside the kernel's bounds")
+    if k < 1 or k > MAX_K or k > e or e > MAX_E or ids_dtype not in (torch.int64, torch.int32):
+        raise NotImplementedError(f"sqrtsoftplus_route: K = {k}, E = {e}, {ids_dtype} outside the kernel's bounds")
     dev = logits.device
-    ids = torch.empty(t, k, dtype=torch.int64, device=dev)
+    ids = torch.empty(t, k, dtype=ids_dtype, device=dev)
     weights = torch.empty(t, k, dtype=torch.float32, device=dev)
     if t == 0:
         return ids, weights
@@ -116,12 +125,20 @@ def sqrtsoftplus_route(logits: torch.Tensor, bias: torch.Tensor | None, topk: in
         bias = bias.float()
         bias = bias if bias.stride(-1) == 1 else bias.contiguous()
         s_b = bias.stride(0) if bias.dim() == 2 and bias.shape[0] > 1 else 0
+    use_vl = has_bias and vl is not None
+    bias_vl, token_ids, lo, hi = vl if use_vl else (None, None, 0, 0)
+    if use_vl:
+        if bias.dim() == 2 and bias.shape[0] > 1:
+            raise NotImplementedError("sqrtsoftplus_route: vl takes a shared [E] bias")
+        bias_vl, token_ids = bias_vl.float().contiguous(), token_ids.contiguous()
     if forced is not None:
         forced = forced if forced.stride(-1) == 1 else forced.contiguous()
     block = max(16, triton.next_power_of_2(e))
-    _route_kernel[(t,)](logits, bias if has_bias else logits, forced if forced is not None else ids, ids, weights, e,
-                        logits.stride(0), s_b, forced.stride(0) if forced is not None else 0, float(scale),
-                        HAS_BIAS=has_bias, FORCED=forced is not None, K=k, KP=max(2, triton.next_power_of_2(k)),
+    _route_kernel[(t,)](logits, bias if has_bias else logits, bias_vl if use_vl else logits,
+                        token_ids if use_vl else ids, forced if forced is not None else ids, ids, weights, e,
+                        logits.stride(0), s_b, forced.stride(0) if forced is not None else 0, float(scale), int(lo),
+                        int(hi), HAS_BIAS=has_bias, VL=use_vl, FORCED=forced is not None, K=k,
+                        KP=max(2, triton.next_power_of_2(k)),
                         BLOCK=block, EXACT=EXACT, num_warps=_warps(block, t), enable_reflect_ftz=False,
                         enable_fp_fusion=False)
     return ids, weights

@@ -114,19 +114,21 @@ def test_rope_kernel_compiles():
 @pytest.mark.parametrize("e,k", [(384, 6), (8, 2), (16, 6), (512, 8), (256, 1)])
 def test_router_kernel_compiles(e, k):
     """The MoE router at the release shape (E=384, K=6), the tiny configs (E=8, K=2) and test shapes: shared,
-    per-token and no bias, forced ids of either int type, with the wrapper's launch options. The libdevice
-    variant must not flush denormals (enable_reflect_ftz off) and must use IEEE sqrt / division."""
+    per-token and no bias, V4.1's bias_vl chosen by token id (int32 ids written), forced ids of either int type,
+    with the wrapper's launch options. The libdevice variant must not flush denormals (enable_reflect_ftz off) and
+    must use IEEE sqrt / division."""
     from kernels_nvidia import router
 
     block = max(16, triton.next_power_of_2(e))
-    sig = {"L": "*fp32", "B": "*fp32", "F": "*i64", "IDS": "*i64", "W": "*fp32", "E": "i32", "s_l": "i32",
-           "s_b": "i32", "s_f": "i32", "scale": "fp32"}
+    sig = {"L": "*fp32", "B": "*fp32", "BVL": "*fp32", "TOK": "*i64", "F": "*i64", "IDS": "*i64", "W": "*fp32",
+           "E": "i32", "s_l": "i32", "s_b": "i32", "s_f": "i32", "scale": "fp32", "lo": "i32", "hi": "i32"}
     opts = dict(enable_reflect_ftz=False, enable_fp_fusion=False)
-    base = dict(K=k, KP=max(2, triton.next_power_of_2(k)), BLOCK=block, EXACT=True)
-    for has_bias, forced, f_ty in ((True, False, "*i64"), (False, False, "*i64"), (False, True, "*i64"),
-                                   (False, True, "*i32")):
-        out = _compile(router._route_kernel, dict(sig, F=f_ty), dict(base, HAS_BIAS=has_bias, FORCED=forced),
-                       num_warps=router._warps(block, 1), **opts)
+    base = dict(K=k, KP=max(2, triton.next_power_of_2(k)), BLOCK=block, EXACT=True, VL=False)
+    for has_bias, vl, forced, f_ty, ids_ty in ((True, False, False, "*i64", "*i64"), (True, True, False, "*i64", "*i32"),
+                                               (False, False, False, "*i64", "*i64"),
+                                               (False, False, True, "*i64", "*i32"), (False, False, True, "*i32", "*i64")):
+        out = _compile(router._route_kernel, dict(sig, F=f_ty, IDS=ids_ty),
+                       dict(base, HAS_BIAS=has_bias, VL=vl, FORCED=forced), num_warps=router._warps(block, 1), **opts)
         ptx = out.asm["ptx"]
         assert "sqrt.rn.f32" in ptx and "div.rn.f32" in ptx and "sqrt.approx" not in ptx
     _compile(router._route_kernel, sig, dict(base, HAS_BIAS=True, FORCED=False), num_warps=router._warps(block, 4096),

@@ -729,6 +729,26 @@ def test_sqrtsoftplus_route_random(device, e, k):
     assert torch.equal(ids[3:4], one[0]) and torch.equal(w[3:4], one[1])
 
 
+def test_sqrtsoftplus_route_bias_vl(device):
+    """V4.1 image tokens (lo <= id < hi) biased by bias_vl inside the kernel, ids written as int32: bitwise the
+    kernel on the per-token bias rows that torch.where builds (the model's former per-layer path), and the ids
+    the oracle's with the same `vl` argument."""
+    from kernels_nvidia import ops as kn
+    _seed()
+    t, e, k, lo, hi = 37, 384, 6, 1000, 1100
+    logits = torch.randn(t, e, device=device)
+    bias, bias_vl = torch.randn(e, device=device) * 0.3, torch.randn(e, device=device) * 0.3
+    token_ids = torch.randint(900, 1200, (t,), device=device)
+    token_ids[:3] = torch.tensor([lo - 1, lo, hi - 1], device=device)
+    token_ids[3] = hi
+    rows = torch.where(((token_ids >= lo) & (token_ids < hi)).unsqueeze(-1), bias_vl, bias)
+    want_ids, want_w = kn.sqrtsoftplus_route(logits, rows, k, 2.5)
+    ids, w = kn.sqrtsoftplus_route(logits, bias, k, 2.5, vl=(bias_vl, token_ids, lo, hi), ids_dtype=torch.int32)
+    assert ids.dtype == torch.int32 and torch.equal(ids.long(), want_ids) and torch.equal(w, want_w)
+    ref_ids, _ = ref.sqrtsoftplus_route(logits.cpu(), bias.cpu(), k, 2.5, vl=(bias_vl.cpu(), token_ids.cpu(), lo, hi))
+    assert torch.equal(ref_ids, ref.sqrtsoftplus_route(logits.cpu(), rows.cpu(), k, 2.5)[0])
+
+
 def test_sqrtsoftplus_route_declines(device):
     """Shapes past the kernel's bounds raise NotImplementedError (the dispatcher then runs the oracle); on CUDA
     `vllm_deepinfer.ops.sqrtsoftplus_route` takes the kernel and falls back for them."""

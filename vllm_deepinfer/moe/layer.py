@@ -66,23 +66,21 @@ class DeepseekRouter(BaseRouter):
     def routing_method_type(self) -> RoutingMethodType:
         return RoutingMethodType.DeepseekV4
 
-    def route(self, logits: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits: [T, E] fp32; token_ids: [T] -> (logical expert ids [T, K] int64, weights [T, K] fp32)."""
-        gate, forced, bias = self.gate, None, None
+    def route(self, logits: torch.Tensor, token_ids: torch.Tensor,
+              ids_dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits: [T, E] fp32; token_ids: [T] -> (logical expert ids [T, K] `ids_dtype`, weights [T, K] fp32)."""
+        gate, forced, vl = self.gate, None, None
         if gate.tid2eid is not None:
             forced = gate.tid2eid[token_ids.long()]
-        else:
-            bias = gate.bias
-            if gate.bias_vl is not None:
-                is_image = (token_ids >= self.image_token_id) & (token_ids < self.image_token_id + IMAGE_TOKEN_SPAN)
-                bias = torch.where(is_image.unsqueeze(-1), gate.bias_vl, gate.bias)
-        return ops.sqrtsoftplus_route(logits, bias, self.top_k, self.route_scale, forced)
+        elif gate.bias_vl is not None:  # image tokens take bias_vl (chosen per token by the router kernel)
+            vl = (gate.bias_vl, token_ids, self.image_token_id, self.image_token_id + IMAGE_TOKEN_SPAN)
+        return ops.sqrtsoftplus_route(logits, gate.bias, self.top_k, self.route_scale, forced, vl, ids_dtype)
 
     def _compute_routing(self, hidden_states, router_logits, indices_type, *, input_ids=None):
         if input_ids is None:
             raise ValueError("DeepSeek V4 routing needs the token ids (hash routing, bias_vl)")
-        ids, weights = self.route(router_logits, input_ids)
-        return weights, ids.to(indices_type or torch.int32)
+        ids, weights = self.route(router_logits, input_ids, indices_type or torch.int32)
+        return weights, ids
 
 
 class MoE(nn.Module):

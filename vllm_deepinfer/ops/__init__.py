@@ -81,8 +81,8 @@ def swiglu(a, b, limit):
     return _dispatch("swiglu", a, a, b, limit)
 
 
-def sqrtsoftplus_route(logits, bias, topk, scale, forced=None):
-    return _dispatch("sqrtsoftplus_route", logits, logits, bias, topk, scale, forced)
+def sqrtsoftplus_route(logits, bias, topk, scale, forced=None, vl=None, ids_dtype=torch.int64):
+    return _dispatch("sqrtsoftplus_route", logits, logits, bias, topk, scale, forced, vl, ids_dtype)
 
 
 def engram_inject(streams, keys, value, q_weight, k_weight, eps, mute=None):

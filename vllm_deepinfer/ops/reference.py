@@ -273,20 +273,26 @@ def topk_rows(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = None)
 
 # ----------------------------------------------------------------------------- MoE
 def sqrtsoftplus_route(logits: torch.Tensor, bias: torch.Tensor | None, topk: int, scale: float,
-                       forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router of model-spec §3.8. logits: [T, E] fp32; bias: [E] or [T, E]; forced: [T, K] (hash layers).
+                       forced: torch.Tensor | None = None, vl: tuple | None = None,
+                       ids_dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router of model-spec §3.8. logits: [T, E] fp32; bias: [E] or [T, E]; forced: [T, K] (hash layers);
+    vl: None or (bias_vl [E], token_ids [T], lo, hi): tokens with lo <= id < hi (V4.1 image tokens) are
+    biased by bias_vl instead of bias.
 
-    Returns (expert ids [T, K] int64, weights [T, K] fp32): selection on score + bias in descending order,
-    ties to the lower expert id (stable sort; torch.topk leaves tie order unspecified); weights are the
-    unbiased scores renormalised to sum to `scale`.
+    Returns (expert ids [T, K] `ids_dtype`, weights [T, K] fp32): selection on score + bias in descending
+    order, ties to the lower expert id (stable sort; torch.topk leaves tie order unspecified); weights are
+    the unbiased scores renormalised to sum to `scale`.
     """
     scores = torch.sqrt(elementwise(F.softplus, logits.float()))
     if forced is not None:
         ids = forced.long()
     else:
+        if vl is not None:
+            bias_vl, token_ids, lo, hi = vl
+            bias = torch.where(((token_ids >= lo) & (token_ids < hi)).unsqueeze(-1), bias_vl, bias)
         ids = torch.sort(scores + bias.float(), dim=-1, descending=True, stable=True).indices[:, :topk]
     picked = scores.gather(-1, ids)
-    return ids, scale * picked / (picked.sum(-1, keepdim=True) + 1e-20)
+    return ids.to(ids_dtype), scale * picked / (picked.sum(-1, keepdim=True) + 1e-20)
 
 
 def swiglu(a: torch.Tensor, b: torch.Tensor, limit: float) -> torch.Tensor:
