@@ -36,8 +36,8 @@ FREE = {"aten::view", "aten::_unsafe_view", "aten::reshape", "aten::t", "aten::t
 
 def _site(kernel_ops: frozenset[str]) -> tuple[str, str] | None:
     """(kind, source) of the op being dispatched now: ("kernel", interface function) when inside an
-    interface call that kernels_nvidia implements, ("ours", file:line function) for our model code,
-    ("vllm", file:line) for vLLM code reached from ours; None outside the model."""
+    interface call that kernels_nvidia implements, ("ours", file:line function) for our model code (and
+    for vLLM code reached from it); None outside the model."""
     f = sys._getframe(2)
     ours = None
     while f is not None:
@@ -70,9 +70,22 @@ def main() -> None:
     from vllm_deepinfer.models.deepseek import DeepseekModel
     from vllm_deepinfer.tools.make_checkpoint import make_checkpoint
 
+    import vllm_deepinfer.ops as ops
+
     kernel_ops = frozenset(OPS)
     counts: collections.Counter = collections.Counter()
-    steps = [0]
+    steps, recording = [0], [False]
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            if recording[0]:
+                counts[("kernel", f"ops.{name}", "")] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    for name in kernel_ops:
+        if hasattr(ops, name):
+            setattr(ops, name, counted(name, getattr(ops, name)))
 
     class Record(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -80,8 +93,8 @@ def main() -> None:
             name = f"aten::{func.overloadpacket.__name__}"
             if name not in FREE and not (args and out is args[0] and name == "aten::to"):  # a cast to its own dtype
                 site = _site(kernel_ops)
-                if site is not None:
-                    counts[(site[0], site[1], name if site[0] != "kernel" else "")] += 1
+                if site is not None and site[0] == "ours":
+                    counts[(site[0], site[1], name)] += 1
             return out
 
     forward = DeepseekModel.forward
@@ -92,8 +105,12 @@ def main() -> None:
         steps[0] += 1
         if steps[0] == 1:  # the first decode step builds caches of metadata: not counted
             return forward(self, input_ids, positions)
-        with Record():
-            return forward(self, input_ids, positions)
+        recording[0] = True
+        try:
+            with Record():
+                return forward(self, input_ids, positions)
+        finally:
+            recording[0] = False
 
     DeepseekModel.forward = recorded
     model = a.model or make_checkpoint(a.arch, "tiny", os.path.join(tempfile.mkdtemp(), a.arch), seed=0)
@@ -109,7 +126,7 @@ def main() -> None:
         kinds[kind] += c
     print(f"{a.arch}, batch {a.batch}, {n} decode steps recorded: per step "
           + ", ".join(f"{k} {v / n:.0f}" for k, v in sorted(kinds.items()))
-          + "  (kernel = interface calls with a kernels_nvidia kernel; ours = torch ops in our code)")
+          + "  (kernel: interface calls that kernels_nvidia implements; ours: other torch ops in our code)")
     by_site: collections.Counter = collections.Counter()
     ops_at: dict = collections.defaultdict(collections.Counter)
     for (kind, src, op), c in counts.items():

@@ -12,6 +12,11 @@ the gate, the residual add and the cast back); here each (token, stream) is one 
 fixed chunks of D three times (norms, dot, output) and writes once. Each token is computed in a fixed
 order, independent of the batch (batch-invariant). streams, keys: [T, h, D]; value: [T, D];
 q_weight, k_weight: [h, D]; mute: [T] bool (V4.1 image tokens) or None.
+
+`engram_hash(history, valid, token_map, multipliers, primes, offsets, pad_id, image)`: the table rows of each
+token's n-grams (the oracle's ~30 small int64 kernels a layer: casts, masks, a cumprod, gathers, k products and
+XORs, (k-1) modulos and a cat) in one launch, BN tokens a program, int64 arithmetic wrapping as torch's; the
+modulo is taken with Python's sign (torch.remainder), so the rows are bitwise the oracle's.
 """
 
 from __future__ import annotations
@@ -78,4 +83,54 @@ def engram_inject(streams: torch.Tensor, keys: torch.Tensor, value: torch.Tensor
             streams.stride(0), streams.stride(1), keys.stride(0), keys.stride(1), value.stride(0),
             out.stride(0), out.stride(1), float(eps), float(d ** 0.5),
             HAS_MUTE=mute is not None, BLOCK=block, num_warps=4)
+    return out
+
+
+@triton.jit
+def _engram_hash_kernel(HIST, VALID, TMAP, MULT, PRIMES, OFFS, OUT, N, V, s_h, s_v, pad, lo, hi,
+                        K: tl.constexpr, NH: tl.constexpr, HP: tl.constexpr, IMAGE: tl.constexpr,
+                        BN: tl.constexpr):
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    rmask = rows < N
+    rows64 = rows.to(tl.int64)
+    heads = tl.arange(0, HP)
+    hmask = heads < NH
+    alive = rmask
+    rolling = tl.zeros([BN], tl.int64)
+    for s in tl.static_range(K):               # shift s back from the token: history column K - 1 - s
+        tok = tl.load(HIST + rows64 * s_h + (K - 1 - s), mask=rmask, other=0).to(tl.int64)
+        ok = tl.load(VALID + rows64 * s_v + (K - 1 - s), mask=rmask, other=0) != 0
+        if IMAGE:
+            ok = ok & ((tok < lo) | (tok >= hi))
+        alive = alive & ok
+        cid = tl.load(TMAP + tl.minimum(tl.maximum(tok, 0), V - 1), mask=rmask, other=0)
+        rolling = rolling ^ (tl.where(alive, cid, pad) * tl.load(MULT + s))
+        if s > 0:
+            p = tl.load(PRIMES + (s - 1) * NH + heads, mask=hmask, other=1)
+            r = rolling[:, None] % p[None, :]
+            r = tl.where(r < 0, r + p[None, :], r)     # Python's modulo: the divisor's sign
+            r = r + tl.load(OFFS + (s - 1) * NH + heads, mask=hmask, other=0)[None, :]
+            tl.store(OUT + rows64[:, None] * ((K - 1) * NH) + (s - 1) * NH + heads[None, :], r,
+                     mask=rmask[:, None] & hmask[None, :])
+
+
+def engram_hash(history: torch.Tensor, valid: torch.Tensor, token_map: torch.Tensor, multipliers: torch.Tensor,
+                primes: torch.Tensor, offsets: torch.Tensor, pad_id: int,
+                image: tuple[int, int] | None = None) -> torch.Tensor:
+    """history, valid: [N, k]; token_map: [V] int64; multipliers: [k]; primes, offsets: [(k-1) * H] int64;
+    image: (lo, hi) or None -> rows [N, (k-1) * H] int64 (the oracle's)."""
+    n, k = history.shape
+    if k < 2 or primes.shape[0] % (k - 1) or token_map.dtype != torch.int64 or multipliers.dtype != torch.int64:
+        raise NotImplementedError("engram_hash: int64 maps and multipliers, k >= 2, (k - 1) * H primes")
+    h = primes.shape[0] // (k - 1)
+    out = torch.empty(n, (k - 1) * h, dtype=torch.int64, device=history.device)
+    if n:
+        history = history if history.stride(-1) == 1 else history.contiguous()
+        valid = (valid if valid.stride(-1) == 1 else valid.contiguous()).view(torch.uint8)
+        lo, hi = image if image is not None else (0, 0)
+        bn = 64
+        _engram_hash_kernel[(triton.cdiv(n, bn),)](
+            history, valid, token_map, multipliers.contiguous(), primes.contiguous(), offsets.contiguous(), out, n,
+            token_map.numel(), history.stride(0), valid.stride(0), int(pad_id), int(lo), int(hi), K=k, NH=h,
+            HP=triton.next_power_of_2(h), IMAGE=image is not None, BN=bn, num_warps=2)
     return out

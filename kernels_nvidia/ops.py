@@ -9,7 +9,7 @@ from kernels_nvidia.attention import (  # noqa: F401
     sparse_attention_records,
 )
 from kernels_nvidia.compressor import softmax_pool  # noqa: F401
-from kernels_nvidia.engram import engram_inject  # noqa: F401
+from kernels_nvidia.engram import engram_hash, engram_inject  # noqa: F401
 from kernels_nvidia.kv_records import kv_record_gather, kv_record_store  # noqa: F401
 from kernels_nvidia.gemm import linear_fp32_out, linear_fp8_block  # noqa: F401
 from kernels_nvidia.indexer import (  # noqa: F401
@@ -22,7 +22,7 @@ from kernels_nvidia.mhc import hc_coefficients, hc_collapse, hc_expand  # noqa: 
 from kernels_nvidia.moe import routed_experts_packed  # noqa: F401
 from kernels_nvidia.paging import range_slots, row_slots  # noqa: F401
 from kernels_nvidia.router import sqrtsoftplus_route  # noqa: F401
-from kernels_nvidia.rowwise import apply_rope, apply_rope_, rms_norm, swiglu  # noqa: F401
+from kernels_nvidia.rowwise import apply_rope, apply_rope_, rms_norm, rope_cos_sin, swiglu  # noqa: F401
 from kernels_nvidia.topk import topk_rows  # noqa: F401
 
 # topk_rows: the Triton radix select of `kernels_nvidia.topk` (bitwise the oracle's stable sort; reads a row
@@ -32,5 +32,6 @@ OPS = ("sparse_attention", "sparse_attention_indexed", "sparse_attention_paged",
        "kv_record_store", "kv_record_gather", "softmax_pool", "indexer_scores",
        "indexer_scores_paged", "indexer_scores_ragged",
        "hc_coefficients", "hc_collapse", "hc_expand", "linear_fp32_out", "linear_fp8_block",
-       "routed_experts_packed", "rms_norm", "apply_rope", "apply_rope_", "row_slots", "range_slots", "topk_rows",
-       "sqrtsoftplus_route", "engram_inject")
+       "routed_experts_packed", "rms_norm", "rope_cos_sin", "apply_rope", "apply_rope_", "row_slots", "range_slots",
+       "topk_rows",
+       "sqrtsoftplus_route", "engram_hash", "engram_inject")

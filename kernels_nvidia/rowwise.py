@@ -6,7 +6,7 @@
 * `apply_rope(x, cos, sin, inverse)`: the GPT-J rotation of the last 2 * cos.shape[-1] dims, the rest of
   each row copied, one program per (token, middle index) (the oracle: slices, casts, four products, a
   stack and a cat); `apply_rope_` the same in place, touching the rotated dims only, one program per token
-  and up to 16 middle indices.
+  and up to 16 middle indices; `rope_cos_sin(positions, inv_freq, scale)` the fp32 cos / sin tables of a step.
 * `swiglu(a, b, limit)`: silu(min(a, l)) * clamp(b, -l, l) of the two GEMM products, one pass over
   (possibly strided) rows (the oracle: two casts, two clamps, silu, product, cast).
 
@@ -114,6 +114,34 @@ def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: 
         raise NotImplementedError("apply_rope_ needs a unit inner stride")
     _launch_rope(rows, cos, sin, rows, inverse, copy=False)
     return x
+
+
+@triton.jit
+def _rope_cos_sin_kernel(P, F, C, S, N, scale, HALF: tl.constexpr, BN: tl.constexpr):
+    offs = tl.program_id(0) * BN + tl.arange(0, BN)
+    m = offs < N
+    pos = (tl.load(P + offs, mask=m, other=0).to(tl.int64) * scale).to(tl.float64)
+    angle = pos[:, None] * tl.load(F + tl.arange(0, HALF))[None, :]                # fp64, as the oracle
+    out = offs[:, None].to(tl.int64) * HALF + tl.arange(0, HALF)[None, :]
+    tl.store(C + out, tl.cos(angle).to(tl.float32), mask=m[:, None])
+    tl.store(S + out, tl.sin(angle).to(tl.float32), mask=m[:, None])
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scale: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [N] int (times `scale`); inv_freq [r/2] fp64 -> fp32 (cos, sin) [N, r/2]: the oracle's fp64 angles
+    and libdevice cos / sin rounded to fp32, one launch (the oracle: a cast, a product, cos, sin, two casts)."""
+    half = inv_freq.shape[-1]
+    if half & (half - 1) or inv_freq.dtype != torch.float64 or positions.dim() != 1 or positions.is_floating_point():
+        raise NotImplementedError("rope_cos_sin takes integer positions [N] and power-of-two fp64 frequencies")
+    n = positions.shape[0]
+    cos = torch.empty(n, half, dtype=torch.float32, device=positions.device)
+    sin = torch.empty_like(cos)
+    if n:
+        bn = 16
+        _rope_cos_sin_kernel[(triton.cdiv(n, bn),)](positions.contiguous(), inv_freq.contiguous(), cos, sin, n,
+                                                    int(scale), HALF=half, BN=bn, num_warps=2,
+                                                    enable_fp_fusion=False)  # the angle is rounded before cos
+    return cos, sin
 
 
 @triton.jit

@@ -287,6 +287,29 @@ def test_engram_reference_hash():
     assert np.array_equal(full[3:], chunk)
 
 
+def test_engram_hash_op_matches_numpy_reference():
+    """The model's hashing op (`ops.engram_hash`: torch, and on CUDA its kernel) equals the NumPy reference
+    above on a sequence with image tokens and a start, token by token from each one's look-back window."""
+    from vllm_deepinfer.ops import reference as ref
+
+    k, heads, img = 4, 3, (900, 905)
+    primes = engram_hash.bucket_primes(2000, heads, k, 1)[0]
+    offs = engram_hash.bucket_offsets([primes])[0]
+    mult = engram_hash.hash_multipliers(3, 700, k)
+    token_map = torch.arange(1000, dtype=torch.long) % 700
+    pad = 5
+    seq = [int(v) for v in torch.randint(0, 1000, (40,), generator=torch.Generator().manual_seed(0))]
+    seq[7], seq[20], seq[21] = 901, 900, 904
+    want = engram_hash.hash_ids([int(token_map[t]) for t in seq], 3, primes, offs, mult, heads, k, pad,
+                                dead=[img[0] <= t < img[1] for t in seq])
+    pos = torch.arange(len(seq)).unsqueeze(1) - (k - 1) + torch.arange(k)
+    valid = pos >= 0
+    hist = torch.where(valid, torch.tensor(seq)[pos.clamp(min=0)], 0)
+    got = ref.engram_hash(hist, valid, token_map, torch.tensor(mult), torch.tensor(primes), torch.tensor(offs), pad,
+                          img)
+    assert np.array_equal(got.numpy(), want)
+
+
 def test_fp8_rows_roundtrip():
     g = torch.Generator().manual_seed(2)
     w = torch.randn(50, 64, generator=g)

@@ -78,6 +78,18 @@ def test_hc_partial_kernel_compiles():
         assert out.metadata.shared <= SM90_SHARED_BYTES
 
 
+@pytest.mark.parametrize("image", [False, True])
+def test_engram_hash_kernel_compiles(image):
+    """The Engram n-gram hash at V4.1's shape (4-grams, 8 heads) and a non-power-of-two head count."""
+    from kernels_nvidia import engram
+
+    sig = {"HIST": "*i64", "VALID": "*u8", "TMAP": "*i64", "MULT": "*i64", "PRIMES": "*i64", "OFFS": "*i64",
+           "OUT": "*i64", "N": "i32", "V": "i32", "s_h": "i32", "s_v": "i32", "pad": "i32", "lo": "i32", "hi": "i32"}
+    for nh in (8, 3):
+        _compile(engram._engram_hash_kernel, sig, dict(K=4, NH=nh, HP=triton.next_power_of_2(nh), IMAGE=image, BN=64),
+                 num_warps=2)
+
+
 @pytest.mark.parametrize("nv", ["*i64", "*i32"])
 def test_topk_rows_kernels_compile(nv):
     """The radix-select top-k: the four digit passes, the select and the sort at the k of the indexer
@@ -102,13 +114,18 @@ def test_swiglu_compiles():
 
 
 def test_rope_kernel_compiles():
-    """RoPE, copying (one row a program) and in place (16 rows a program, no copy loop)."""
+    """RoPE, copying (one row a program) and in place (16 rows a program, no copy loop), and its cos / sin tables."""
     from kernels_nvidia import rowwise
 
     sig = {"X": "*bf16", "C": "*fp32", "S": "*fp32", "Y": "*bf16", "M": "i32", "NOPE": "i32", "sx_t": "i32",
            "sx_m": "i32", "sc_t": "i32", "sy_t": "i32", "sy_m": "i32"}
     for copy, bm in ((True, 1), (False, 16)):
         _compile(rowwise._rope_kernel, sig, dict(SIGN=-1.0, BLOCK_N=256, HALF=32, BM=bm, COPY=copy), num_warps=2)
+    out = _compile(rowwise._rope_cos_sin_kernel, {"P": "*i64", "F": "*fp64", "C": "*fp32", "S": "*fp32", "N": "i32",
+                                                  "scale": "i32"}, dict(HALF=32, BN=16), num_warps=2,
+                   enable_fp_fusion=False)
+    ptx = out.asm["ptx"]  # the CUDA math library's fp64 cos / sin (as torch's), no fast approximations
+    assert "trig_reduction" in ptx and "sin.approx" not in ptx and "cos.approx" not in ptx
 
 
 @pytest.mark.parametrize("e,k", [(384, 6), (8, 2), (16, 6), (512, 8), (256, 1)])

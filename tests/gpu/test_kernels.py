@@ -178,6 +178,26 @@ def test_apply_rope(device, dtype, shape, half, inverse):
     assert err < BOUND[dtype]
 
 
+@pytest.mark.parametrize("scale", [1, 4, 128])
+def test_rope_cos_sin(device, scale):
+    """The step's cos / sin tables: bitwise the oracle on the same device on CUDA (fp64 angles, the CUDA math
+    library's cos / sin, rounded to fp32); in the interpreter (numpy's fp64 cos / sin) within one fp32 ulp."""
+    from kernels_nvidia import ops as kn
+    _seed()
+    pos = torch.randint(0, 1 << 20, (37,), device=device)
+    pos[:3] = torch.tensor([0, 1, (1 << 20) - 1])
+    inv_freq = torch.logspace(0, -6, 32, dtype=torch.float64, device=device)
+    cos, sin = kn.rope_cos_sin(pos, inv_freq, scale)
+    want = ref.rope_cos_sin(pos, inv_freq, scale)
+    for got, w in zip((cos, sin), want):
+        assert got.dtype == torch.float32 and got.shape == (37, 32)
+        if device == "cuda":
+            assert torch.equal(got, w)
+        else:
+            assert float((got - w).abs().max()) <= 6e-8
+    assert kn.rope_cos_sin(pos[:0], inv_freq)[0].shape == (0, 32)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape,half", [((9, 4, 512), 32), ((9, 512), 32), ((6, 20, 128), 32), ((5, 64), 32)])
 @pytest.mark.parametrize("inverse", [False, True])
@@ -747,6 +767,28 @@ def test_sqrtsoftplus_route_bias_vl(device):
     assert ids.dtype == torch.int32 and torch.equal(ids.long(), want_ids) and torch.equal(w, want_w)
     ref_ids, _ = ref.sqrtsoftplus_route(logits.cpu(), bias.cpu(), k, 2.5, vl=(bias_vl.cpu(), token_ids.cpu(), lo, hi))
     assert torch.equal(ref_ids, ref.sqrtsoftplus_route(logits.cpu(), rows.cpu(), k, 2.5)[0])
+
+
+@pytest.mark.parametrize("image", [None, (900, 905)])
+def test_engram_hash(device, image):
+    """The n-gram hash kernel bitwise the oracle: real multipliers (non-negative terms) and, to exercise the
+    wrapping int64 products and Python's modulo sign, multipliers that overflow; missing and image tokens."""
+    from kernels_nvidia import ops as kn
+    from vllm_deepinfer.checkpoint import engram_hash
+    _seed()
+    k, heads, n = 4, 8, 70
+    primes = torch.tensor(engram_hash.bucket_primes(5000, heads, k, 1)[0], device=device)
+    offs = torch.tensor(engram_hash.bucket_offsets([primes.tolist()])[0], device=device)
+    token_map = torch.randint(0, 700, (1000,), device=device)
+    hist = torch.randint(0, 1200, (n, k), device=device)        # ids past the map clamp to its last entry
+    hist[:10, :2] = torch.tensor([901, 904], device=device)
+    valid = torch.rand(n, k, device=device) > 0.1
+    for mult in (torch.tensor(engram_hash.hash_multipliers(2, 700, k), device=device),
+                 torch.randint(1 << 60, 1 << 62, (k,), device=device) * 7 + 1):
+        got = kn.engram_hash(hist, valid, token_map, mult, primes, offs, 5, image)
+        want = ref.engram_hash(hist.cpu(), valid.cpu(), token_map.cpu(), mult.cpu(), primes.cpu(), offs.cpu(), 5,
+                               image)
+        assert got.dtype == torch.int64 and torch.equal(got.cpu(), want)
 
 
 def test_sqrtsoftplus_route_declines(device):

@@ -129,7 +129,7 @@ class Attention(nn.Module):
         """Pool the groups closed in this step into compressed rows (and V4.1 index keys)."""
         closed = self.compressor(x, batch)
         for c in closed:
-            cos, sin = self.rope.cos_sin(c.groups * self.plan.ratio)
+            cos, sin = self.rope.cos_sin(c.groups, self.plan.ratio)
             rows = ops.apply_rope(c.latent, cos, sin)
             if self.parity_kv:  # fp8_ds_mla compressed record
                 rows = quant.kv_record_roundtrip(rows, rope_dim=2 * cos.shape[-1])

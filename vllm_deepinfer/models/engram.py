@@ -111,28 +111,13 @@ class EngramHasher(nn.Module):
         self.register_buffer("multipliers", torch.tensor(mult, dtype=torch.long), persistent=False)
 
     def hash_ids(self, table: int, history: torch.Tensor, history_valid: torch.Tensor) -> torch.Tensor:
-        """Bucket rows of new tokens from their token history.
+        """Bucket rows of table `table` of the n-grams ending at each token (`ops.engram_hash`).
 
-        history: [..., n + max_ngram - 1] raw token ids at positions first-(max_ngram-1) .. last;
-        history_valid: same shape, False before the sequence start. Returns [..., n, (max_ngram-1) * n_heads].
-        """
-        k = self.max_ngram
-        ids = self.token_map[history.long().clamp(0, self.token_map.numel() - 1)]  # padding rows may hold anything
-        is_image = (history >= self.image_token_id) & (history < self.image_token_id + IMAGE_TOKEN_SPAN)
-        dead = ~history_valid | (is_image if self.image_token_id >= 0 else torch.zeros_like(is_image))
-        n = history.shape[-1] - (k - 1)
-        dev = history.device
-        look = torch.arange(n, device=dev).unsqueeze(1) + (k - 1) - torch.arange(k, device=dev)     # [n, k]: shift s back from token
-        alive = torch.cumprod((~dead[..., look]).long(), dim=-1).bool()
-        vals = torch.where(alive, ids[..., look], self.pad_id)                                     # [..., n, k]
-        rolling = torch.zeros(vals.shape[:-1], dtype=torch.long, device=dev)
-        cols = []
-        for s in range(k):
-            rolling = rolling ^ (vals[..., s] * self.multipliers[table, s])
-            if s > 0:
-                c = slice((s - 1) * self.n_heads, s * self.n_heads)
-                cols.append(rolling.unsqueeze(-1) % self.primes[table, c] + self.offsets[table, c])
-        return torch.cat(cols, dim=-1)
+        history, history_valid: [N, max_ngram] raw token ids at positions pos-(max_ngram-1) .. pos, and
+        False before the sequence start. Returns [N, (max_ngram-1) * n_heads]."""
+        image = (self.image_token_id, self.image_token_id + IMAGE_TOKEN_SPAN) if self.image_token_id >= 0 else None
+        return ops.engram_hash(history, history_valid, self.token_map, self.multipliers[table], self.primes[table],
+                               self.offsets[table], self.pad_id, image)
 
 
 class Engram(nn.Module):
@@ -163,23 +148,26 @@ class Engram(nn.Module):
         kv = self.wkv(emb).view(-1, self.hc + 1, self.hidden)
         mute = None
         if self.image_token_id >= 0:  # image tokens get no Engram value
-            ids = batch.token_ids
-            mute = (ids >= self.image_token_id) & (ids < self.image_token_id + IMAGE_TOKEN_SPAN)
+            lo, ids = self.image_token_id, batch.token_ids
+            mute = batch.memo(("image tokens", lo), lambda: (ids >= lo) & (ids < lo + IMAGE_TOKEN_SPAN))
         return ops.engram_inject(streams, kv[:, : self.hc], kv[:, self.hc], self.q_weight, self.k_weight, self.eps, mute)
 
     def hash_rows(self, batch: StepBatch) -> torch.Tensor:
         """Table rows of every token's n-grams, [n_dec + P, cols] (one-token requests first, then the prefill tokens)."""
-        hasher, pf = self.hasher[0], batch.prefill
-        rows = []
-        if batch.n_dec:
-            rows.append(hasher.hash_ids(self.table, *self.lookback(batch, batch.req, batch.dec_positions))[:, 0])
-        if pf is not None:
-            rows.append(hasher.hash_ids(self.table, *self.lookback(batch, pf.req, pf.pos))[:, 0])
-        return rows[0] if len(rows) == 1 else torch.cat(rows)
+        return self.hasher[0].hash_ids(self.table, *batch.memo(("engram history", id(self.history)),
+                                                               lambda: self.lookback(batch)))
 
-    def lookback(self, batch: StepBatch, req: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token ids at positions pos-(max_ngram-1) .. pos of requests req (all [N]) from the history
-        cache, which already holds this step's tokens: ids and validity, [N, max_ngram] each."""
+    def lookback(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids at positions pos-(max_ngram-1) .. pos of every token (one-token requests first, then the
+        prefill tokens) from the history cache, which already holds this step's tokens: ids and validity,
+        [n_dec + P, max_ngram] each (the same for every Engram layer: memoised per step)."""
+        pf = batch.prefill
+        if not batch.n_dec:
+            req, pos = pf.req, pf.pos
+        elif pf is None:
+            req, pos = batch.req, batch.dec_positions
+        else:
+            req, pos = torch.cat((batch.req, pf.req)), torch.cat((batch.dec_positions, pf.pos))
         k = self.hasher[0].max_ngram
         pos = pos.unsqueeze(1) - (k - 1) + torch.arange(k, device=pos.device)
         valid = pos >= 0

@@ -62,7 +62,7 @@ class Indexer(nn.Module):
             latent = c.latent
             if self.compressor is None:
                 latent = self.k_norm(self.wk(latent.to(self.wk.weight.dtype)).float())
-            cos, sin = self.rope.cos_sin(c.groups * self.ratio)
+            cos, sin = self.rope.cos_sin(c.groups, self.ratio)
             keys = ops.apply_rope(latent, cos, sin)
             if self.parity_k:  # FP8 index K cache, one pow2 scale per row
                 keys = quant.index_key_roundtrip(keys)

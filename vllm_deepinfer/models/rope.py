@@ -17,5 +17,6 @@ class RotaryTable(nn.Module):
         freqs = arch.yarn_inv_freq() if compressed else arch.main_inv_freq()
         self.register_buffer("inv_freq", torch.tensor(freqs, dtype=torch.float64), persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return ops.rope_cos_sin(positions, self.inv_freq)
+    def cos_sin(self, positions: torch.Tensor, scale: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [N] int (times `scale`, e.g. compressed group ids times the ratio) -> cos, sin [N, r/2]."""
+        return ops.rope_cos_sin(positions, self.inv_freq, scale)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -217,7 +218,7 @@ class StepBatch:
     prefill: PrefillLayout | None = None
     replay_keep: int | None = None
     token_spans: list[RequestSpan] = dataclasses.field(default_factory=list)
-    _rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=dict)
+    _memo: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if self.prefill is None and self.spans:
@@ -243,11 +244,15 @@ class StepBatch:
             parts.append(parts[0].new_full((t - n, *parts[0].shape[1:]), fill))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
+    def memo(self, key, make: Callable[[], Any]) -> Any:
+        """`make()`, computed once per step (and per `key`) for every layer that asks."""
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
+
     def token_cos_sin(self, table) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of every token's position in rotary `table`, computed once per step and table."""
-        if id(table) not in self._rope:
-            self._rope[id(table)] = table.cos_sin(self.positions)
-        return self._rope[id(table)]
+        return self.memo(("rope", id(table)), lambda: table.cos_sin(self.positions))
 
     def meta(self, cache: PagedCache) -> PagedCacheMetadata:
         return self.attn_metadata[cache.prefix]

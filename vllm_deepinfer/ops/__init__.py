@@ -25,7 +25,6 @@ from vllm_deepinfer.ops.reference import (  # noqa: F401  (reference-only ops)
     grouped_low_rank,
     hc_head_weights,
     linear,
-    rope_cos_sin,
 )
 
 KERNELS = os.environ.get("VLLM_DEEPINFER_KERNELS", "auto").lower()
@@ -85,6 +84,10 @@ def sqrtsoftplus_route(logits, bias, topk, scale, forced=None, vl=None, ids_dtyp
     return _dispatch("sqrtsoftplus_route", logits, logits, bias, topk, scale, forced, vl, ids_dtype)
 
 
+def engram_hash(history, valid, token_map, multipliers, primes, offsets, pad_id, image=None):
+    return _dispatch("engram_hash", history, history, valid, token_map, multipliers, primes, offsets, pad_id, image)
+
+
 def engram_inject(streams, keys, value, q_weight, k_weight, eps, mute=None):
     return _dispatch("engram_inject", streams, streams, keys, value, q_weight, k_weight, eps, mute)
 
@@ -100,6 +103,10 @@ def rms_norm(x, weight, eps):
 
 def apply_rope(x, cos, sin, inverse=False):
     return _dispatch("apply_rope", x, x, cos, sin, inverse)
+
+
+def rope_cos_sin(positions, inv_freq, scale=1):
+    return _dispatch("rope_cos_sin", positions, positions, inv_freq, scale)
 
 
 def apply_rope_(x, cos, sin, inverse=False):
@@ -306,11 +313,12 @@ def packed_storage(env: str, device_type: str) -> bool:
     return storage == "packed" or (storage == "auto" and device_type == "cuda")
 
 
-for _f in (rms_norm, apply_rope, apply_rope_, sparse_attention, sparse_attention_indexed, sparse_attention_gathered,
+for _f in (rms_norm, rope_cos_sin, apply_rope, apply_rope_, sparse_attention, sparse_attention_indexed,
+           sparse_attention_gathered,
            sparse_attention_paged, kv_record_store, kv_record_gather, sparse_attention_records, row_slots, range_slots,
            softmax_pool, indexer_scores, indexer_scores_gathered, indexer_scores_paged,
            indexer_scores_ragged, topk_rows, linear_fp32_out, linear_fp8_block,
            hc_coefficients, hc_collapse, hc_expand, routed_experts, routed_experts_packed, sqrtsoftplus_route,
-           engram_inject):
+           engram_hash, engram_inject):
     _f.__doc__ = getattr(reference, _f.__name__).__doc__
 del _f

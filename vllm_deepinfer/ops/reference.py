@@ -73,6 +73,35 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return y.to(x.dtype)
 
 
+def engram_hash(history: torch.Tensor, valid: torch.Tensor, token_map: torch.Tensor, multipliers: torch.Tensor,
+                primes: torch.Tensor, offsets: torch.Tensor, pad_id: int,
+                image: tuple[int, int] | None = None) -> torch.Tensor:
+    """Engram table rows of each token's n-grams (model-spec §3.9). history, valid: [N, k] raw token ids at
+    positions pos-(k-1) .. pos and whether each exists; token_map: [V] compressed ids; multipliers: [k];
+    primes, offsets: [(k-1) * H] (n-gram order 2 first, H hash heads each); image: (lo, hi) or None, ids in
+    [lo, hi) end an n-gram like a missing token -> [N, (k-1) * H] int64.
+
+    Shift s (0 = the token itself) contributes map(id) while every shift up to s is a live token, else
+    pad_id; the rolling hash XORs value * multipliers[s] (int64, wrapping); order s + 1's head h row is
+    rolling mod primes + offsets (Python modulo)."""
+    k = history.shape[-1]
+    ids = token_map[history.long().clamp(0, token_map.numel() - 1)]          # padding rows may hold anything
+    dead = ~valid
+    if image is not None:
+        dead = dead | ((history >= image[0]) & (history < image[1]))
+    alive = torch.cumprod((~dead).flip(-1).long(), dim=-1).bool()            # [N, k], shift s = column k-1-s
+    vals = torch.where(alive, ids.flip(-1), pad_id)
+    rolling = torch.zeros(history.shape[:-1], dtype=torch.long, device=history.device)
+    cols = []
+    h = primes.shape[0] // (k - 1)
+    for s in range(k):
+        rolling = rolling ^ (vals[..., s] * multipliers[s])
+        if s > 0:
+            c = slice((s - 1) * h, s * h)
+            cols.append(rolling.unsqueeze(-1) % primes[c] + offsets[c])
+    return torch.cat(cols, dim=-1)
+
+
 def engram_inject(streams: torch.Tensor, keys: torch.Tensor, value: torch.Tensor, q_weight: torch.Tensor,
                   k_weight: torch.Tensor, eps: float, mute: torch.Tensor | None = None) -> torch.Tensor:
     """Gated Engram value added to the streams (model-spec §3.9). streams, keys: [T, h, D]; value: [T, D];
@@ -146,9 +175,9 @@ def hc_head_weights(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor,
 
 
 # ----------------------------------------------------------------------------- RoPE
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 cos/sin for positions [N] and per-pair frequencies [r/2] -> ([N, r/2], [N, r/2])."""
-    angles = positions.double().unsqueeze(-1) * inv_freq.double()
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scale: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos/sin for positions [N] (times `scale`) and per-pair frequencies [r/2] -> ([N, r/2], [N, r/2])."""
+    angles = (positions * scale).double().unsqueeze(-1) * inv_freq.double()
     return angles.cos().float(), angles.sin().float()
 
 
