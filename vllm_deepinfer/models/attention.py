@@ -180,13 +180,14 @@ class Attention(nn.Module):
         meta = batch.meta(self.window_cache)
         pos = batch.dec_positions
         self.window_cache.write(meta, batch.req, pos, kv, keep=batch.live)
-        win = self.window_cache.range_slots(meta, batch.req, pos - (self.window - 1), self.window)     # [T, W]
+        win = self.window_cache.range_slots(meta, batch.req, batch.dec_window_start(self.window), self.window)  # [T, W]
         src, sel = self.window_cache, win[:, :0]  # SWA-only layer: an empty second key source
         if self.plan.ratio > 0:
             src, src_meta = self.kv_source, batch.meta(self.kv_source)
             if selected is None:  # HCA: every visible row, (pos + 1) // m of them
-                sel = src.range_slots(src_meta, batch.req, torch.zeros_like(pos),
-                                      meta.max_model_len // self.plan.ratio + 1, (pos + 1) // self.plan.ratio)
+                zero = batch.memo("zero positions", lambda: torch.zeros_like(pos))
+                sel = src.range_slots(src_meta, batch.req, zero, meta.max_model_len // self.plan.ratio + 1,
+                                      batch.dec_visible_rows(self.plan.ratio))
             else:
                 sel = src.masked_slots(src_meta, batch.req.unsqueeze(1), selected)
         if self.kv_records:  # both caches hold records, R of them per block

@@ -75,7 +75,7 @@ class Compressor(nn.Module):
             self.state_cache.write(meta, batch.req, pos, state[:nd], keep=batch.live)
             g = pos // m
             latent = self.norm(self._pool(meta, batch.req.unsqueeze(1), g))
-            out.append(ClosedRows(batch.req, g, latent, batch.live & ((pos + 1) % m == 0)))
+            out.append(ClosedRows(batch.req, g, latent, batch.dec_closes_group(m)))
         if pf is not None:  # prefill: all spans' states in one write, all closed groups in one pool
             self.state_cache.write(meta, pf.req, pf.pos, state[pf.start:pf.end])
             req, g = pf.closed(m)

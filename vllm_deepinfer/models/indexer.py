@@ -146,7 +146,7 @@ class Indexer(nn.Module):
         Returns ids [n_dec, k] and, for the candidate source, its blocks [n_dec, n_blocks].
         """
         meta = batch.meta(self.key_source)
-        n_valid = (batch.dec_positions + 1) // self.ratio                                  # [n]
+        n_valid = batch.dec_visible_rows(self.ratio)                                        # [n]
         scores = ops.indexer_scores_paged(q, w, self.key_source.rows, meta.block_table[batch.req], n_valid,
                                           meta.max_model_len // self.ratio + 1, self.key_source.rows_per_block)
         blocks = self._candidate_blocks(scores, n_valid) if self.plan.candidate_source else None

@@ -234,6 +234,18 @@ class StepBatch:
         """Positions of the per-token path's tokens, [n_dec] int64."""
         return self.positions[: self.n_dec].long()
 
+    def dec_visible_rows(self, m: int) -> torch.Tensor:
+        """Compressed rows of ratio m each per-token path token sees, (pos + 1) // m: [n_dec] (memoised per step)."""
+        return self.memo(("visible rows", m), lambda: (self.dec_positions + 1) // m)
+
+    def dec_closes_group(self, m: int) -> torch.Tensor:
+        """Whether each per-token path token closes its group of m (and is live): [n_dec] bool (memoised)."""
+        return self.memo(("closes group", m), lambda: self.live & ((self.dec_positions + 1) % m == 0))
+
+    def dec_window_start(self, w: int) -> torch.Tensor:
+        """First position of each per-token path token's window of w: pos - (w - 1), [n_dec] (memoised)."""
+        return self.memo(("window start", w), lambda: self.dec_positions - (w - 1))
+
     def assemble(self, dec: torch.Tensor | None, prefill: torch.Tensor | None, fill: float = 0.0) -> torch.Tensor:
         """Rows of all T tokens from the decode rows [n_dec, ...] and the prefill rows [P, ...]; rows of
         padding tokens (after the last span) are `fill`."""
