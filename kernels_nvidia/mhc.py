@@ -24,8 +24,9 @@ import triton.language as tl
 BATCH_INVARIANT = os.environ.get("KERNELS_NVIDIA_BATCH_INVARIANT", "0") == "1"
 KCHUNK = 256  # split-K chunk of the coefficient GEMM (fixed: batch-invariant). 1024 gave 20 programs per
 # 16 tokens at V4.1 widths (h*D = 20480): 22 us per call at T = 16 on the H200, most SMs idle.
-WIDE_FROM_T, WIDE_BT, WIDE_KCHUNK = 256, 64, 1024  # prefill tiles (not batch-invariant across the threshold).
-# At BT 16 every program re-reads a [KCHUNK, MP] fp32 slice of fn from L2: 4x the bytes of its x tile.
+WIDE_FROM_T, WIDE_BT, WIDE_KCHUNK = 1024, 64, 1024  # prefill tiles (not batch-invariant across the threshold;
+# above the decode graph sizes). At BT 16 every program re-reads a [KCHUNK, MP] fp32 slice of fn from L2: 4x the
+# bytes of its x tile (H100, 4096 tokens: 222 us a call).
 TCHUNK = 4096  # tokens per launch pair: bounds the partials buffer (nsplit * TCHUNK * MP fp32, 42 MB)
 
 

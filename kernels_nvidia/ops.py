@@ -33,5 +33,4 @@ OPS = ("sparse_attention", "sparse_attention_indexed", "sparse_attention_paged",
        "indexer_scores_paged", "indexer_scores_ragged",
        "hc_coefficients", "hc_collapse", "hc_expand", "linear_fp32_out", "linear_fp8_block",
        "routed_experts_packed", "rms_norm", "rope_cos_sin", "apply_rope", "apply_rope_", "row_slots", "range_slots",
-       "topk_rows",
-       "sqrtsoftplus_route", "engram_hash", "engram_inject")
+       "topk_rows", "sqrtsoftplus_route", "engram_hash", "engram_inject")

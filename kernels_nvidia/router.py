@@ -3,9 +3,10 @@
 `sqrtsoftplus_route(logits, bias, topk, scale, forced, vl, ids_dtype)`: logits [T, E] fp32; bias None, [E] or [T, E]
 fp32; forced None or [T, K] int (hash layers: the ids are given, only the weights computed); vl None or (bias_vl [E],
 token_ids [T], lo, hi): V4.1's image tokens (lo <= id < hi) take bias_vl, chosen per row inside the kernel (no
-per-layer mask and select) -> (ids [T, K] `ids_dtype` (int64 or int32), weights [T, K] fp32). Per row: scores = sqrt(softplus(logits)) (torch's softplus: beta 1,
-threshold 20), ids = the K largest scores + bias in descending order, ties to the lower expert id, weights =
-scale * picked / (sum(picked) + 1e-20) of the unbiased scores at the ids.
+per-layer mask and select) -> (ids [T, K] `ids_dtype` (int64 or int32), weights [T, K] fp32). Per row: scores =
+sqrt(softplus(logits)) (torch's softplus: beta 1, threshold 20), ids = the K largest scores + bias in descending
+order, ties to the lower expert id, weights = scale * picked / (sum(picked) + 1e-20) of the unbiased scores at the
+ids.
 
 Exactness contract (against the oracle `vllm_deepinfer.ops.reference.sqrtsoftplus_route`):
 * ids equal the oracle's stable descending sort bitwise given the same scores: each value is mapped to an int32 key

@@ -141,9 +141,10 @@ def test_router_kernel_compiles(e, k):
            "E": "i32", "s_l": "i32", "s_b": "i32", "s_f": "i32", "scale": "fp32", "lo": "i32", "hi": "i32"}
     opts = dict(enable_reflect_ftz=False, enable_fp_fusion=False)
     base = dict(K=k, KP=max(2, triton.next_power_of_2(k)), BLOCK=block, EXACT=True, VL=False)
-    for has_bias, vl, forced, f_ty, ids_ty in ((True, False, False, "*i64", "*i64"), (True, True, False, "*i64", "*i32"),
-                                               (False, False, False, "*i64", "*i64"),
-                                               (False, False, True, "*i64", "*i32"), (False, False, True, "*i32", "*i64")):
+    variants = ((True, False, False, "*i64", "*i64"), (True, True, False, "*i64", "*i32"),
+                (False, False, False, "*i64", "*i64"), (False, False, True, "*i64", "*i32"),
+                (False, False, True, "*i32", "*i64"))
+    for has_bias, vl, forced, f_ty, ids_ty in variants:
         out = _compile(router._route_kernel, dict(sig, F=f_ty, IDS=ids_ty),
                        dict(base, HAS_BIAS=has_bias, VL=vl, FORCED=forced), num_warps=router._warps(block, 1), **opts)
         ptx = out.asm["ptx"]
