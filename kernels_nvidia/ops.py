@@ -9,7 +9,7 @@ from kernels_nvidia.attention import (  # noqa: F401
     sparse_attention_records,
 )
 from kernels_nvidia.compressor import softmax_pool  # noqa: F401
-from kernels_nvidia.engram import engram_hash, engram_inject  # noqa: F401
+from kernels_nvidia.engram import engram_hash, engram_inject, fp8_rows  # noqa: F401
 from kernels_nvidia.kv_records import kv_record_gather, kv_record_store  # noqa: F401
 from kernels_nvidia.gemm import linear_fp32_out, linear_fp8_block  # noqa: F401
 from kernels_nvidia.indexer import (  # noqa: F401
@@ -33,4 +33,4 @@ OPS = ("sparse_attention", "sparse_attention_indexed", "sparse_attention_paged",
        "indexer_scores_paged", "indexer_scores_ragged",
        "hc_coefficients", "hc_collapse", "hc_expand", "linear_fp32_out", "linear_fp8_block",
        "routed_experts_packed", "rms_norm", "rope_cos_sin", "apply_rope", "apply_rope_", "row_slots", "range_slots",
-       "topk_rows", "sqrtsoftplus_route", "engram_hash", "engram_inject")
+       "topk_rows", "sqrtsoftplus_route", "fp8_rows", "engram_hash", "engram_inject")

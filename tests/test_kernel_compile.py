@@ -90,6 +90,15 @@ def test_engram_hash_kernel_compiles(image):
                  num_warps=2)
 
 
+@pytest.mark.parametrize("gather", [False, True])
+def test_fp8_rows_kernel_compiles(gather):
+    """Engram table rows (256 wide, 16 rows a program), gathered by id or all in order."""
+    from kernels_nvidia import engram
+
+    sig = {"W": "*u8", "S": "*u8", "ROWS": "*i64", "OUT": "*fp32", "N": "i32", "sw": "i32", "ss": "i32"}
+    _compile(engram._fp8_rows_kernel, sig, dict(D=256, G=32, BN=16, GATHER=gather))
+
+
 @pytest.mark.parametrize("nv", ["*i64", "*i32"])
 def test_topk_rows_kernels_compile(nv):
     """The radix-select top-k: the four digit passes, the select and the sort at the k of the indexer

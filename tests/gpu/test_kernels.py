@@ -791,6 +791,26 @@ def test_engram_hash(device, image):
         assert got.dtype == torch.int64 and torch.equal(got.cpu(), want)
 
 
+def test_fp8_rows(device):
+    """Row-FP8 table rows decoded (gathered by id, and all rows in order): bitwise the oracle, including -0, the
+    largest codes, subnormal codes and the smallest scale byte (2^-127)."""
+    from kernels_nvidia import ops as kn
+    _seed()
+    codes = torch.randint(0, 256, (300, 256), dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x7E                      # no NaN codes (tables are validated at load)
+    codes[0, :4] = torch.tensor([0x80, 0x7E, 0xFE, 0x01], dtype=torch.uint8)
+    scales = torch.randint(100, 150, (300, 8), dtype=torch.uint8)
+    scales[1, 0], scales[2, 1] = 0, 254
+    w = codes.view(torch.float8_e4m3fn).to(device)
+    sc = scales.view(torch.float8_e8m0fnu).to(device)
+    rows = torch.randint(0, 300, (1000,), device=device)
+    rows[:3] = torch.tensor([0, 1, 2])
+    for r in (rows, None):
+        got = kn.fp8_rows(w, sc, r)
+        want = ref.fp8_rows(w.cpu(), sc.cpu(), None if r is None else r.cpu())
+        assert got.dtype == torch.float32 and torch.equal(got.cpu(), want)
+
+
 def test_sqrtsoftplus_route_declines(device):
     """Shapes past the kernel's bounds raise NotImplementedError (the dispatcher then runs the oracle); on CUDA
     `vllm_deepinfer.ops.sqrtsoftplus_route` takes the kernel and falls back for them."""

@@ -39,7 +39,6 @@ from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
 from vllm_deepinfer import ops
 from vllm_deepinfer.attention.caches import PagedCache
 from vllm_deepinfer.checkpoint import engram_hash
-from vllm_deepinfer.checkpoint.formats import dequant_fp8_rows
 from vllm_deepinfer.config import ArchConfig
 from vllm_deepinfer.log import get_logger
 from vllm_deepinfer.models.layers import Linear, _param
@@ -231,8 +230,7 @@ class EngramTable(nn.Module):
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
         """rows: [T, C] -> [T, C, dim] fp32 (no host round trip: the loader has rejected NaN codes)."""
-        flat = rows.flatten()
-        return dequant_fp8_rows(self.weight[flat], self.scale[flat], checked=False).view(*rows.shape, -1)
+        return ops.fp8_rows(self.weight, self.scale, rows.flatten()).view(*rows.shape, -1)
 
     def prefetch(self, rows: torch.Tensor) -> None:
         """Gather the FP8 rows [T, C] into the staging buffers (host tables; runs on the prefetch stream)."""
@@ -251,7 +249,8 @@ class EngramTable(nn.Module):
         """The prefetched rows of this step's T tokens, decoded: [T, C, dim] fp32."""
         if t != self._n_staged:
             raise RuntimeError(f"Engram rows were prefetched for {self._n_staged} tokens, the layer has {t}")
-        return dequant_fp8_rows(self.staged_weight[:t], self.staged_scale[:t], checked=False)
+        w, sc = self.staged_weight[:t], self.staged_scale[:t]
+        return ops.fp8_rows(w.flatten(0, 1), sc.flatten(0, 1)).view(*w.shape[:-1], -1)
 
 
 class EngramPrefetch:

@@ -84,6 +84,10 @@ def sqrtsoftplus_route(logits, bias, topk, scale, forced=None, vl=None, ids_dtyp
     return _dispatch("sqrtsoftplus_route", logits, logits, bias, topk, scale, forced, vl, ids_dtype)
 
 
+def fp8_rows(weight, scale, rows=None):
+    return _dispatch("fp8_rows", weight, weight, scale, rows)
+
+
 def engram_hash(history, valid, token_map, multipliers, primes, offsets, pad_id, image=None):
     return _dispatch("engram_hash", history, history, valid, token_map, multipliers, primes, offsets, pad_id, image)
 
@@ -319,6 +323,6 @@ for _f in (rms_norm, rope_cos_sin, apply_rope, apply_rope_, sparse_attention, sp
            softmax_pool, indexer_scores, indexer_scores_gathered, indexer_scores_paged,
            indexer_scores_ragged, topk_rows, linear_fp32_out, linear_fp8_block,
            hc_coefficients, hc_collapse, hc_expand, routed_experts, routed_experts_packed, sqrtsoftplus_route,
-           engram_hash, engram_inject):
+           fp8_rows, engram_hash, engram_inject):
     _f.__doc__ = getattr(reference, _f.__name__).__doc__
 del _f

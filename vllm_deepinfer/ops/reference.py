@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from vllm_deepinfer.checkpoint.formats import dequant_fp8_block, dequant_mxfp4, e8m0_decode
+from vllm_deepinfer.checkpoint.formats import dequant_fp8_block, dequant_fp8_rows, dequant_mxfp4, e8m0_decode
 from vllm_deepinfer.ops import quant
 
 # Batch-invariant mode (`DEEPINFER_BATCH_INVARIANT`): set by `vllm_deepinfer.ops.configure_invariant`.
@@ -71,6 +71,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     if weight is not None:
         y = y * weight.float()
     return y.to(x.dtype)
+
+
+def fp8_rows(weight: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows of a row-FP8 table (E4M3 codes, one E8M0 scale per 32 values; Engram tables), decoded.
+    weight: [R, d]; scale: [R, d / 32]; rows: [N] int or None (all R, in order) -> [N, d] fp32. Codes and scales
+    are not checked for NaN (tables are validated at load)."""
+    if rows is not None:
+        weight, scale = weight[rows], scale[rows]
+    return dequant_fp8_rows(weight, scale, checked=False)
 
 
 def engram_hash(history: torch.Tensor, valid: torch.Tensor, token_map: torch.Tensor, multipliers: torch.Tensor,
