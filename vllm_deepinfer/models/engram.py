@@ -44,7 +44,7 @@ from vllm_deepinfer.log import get_logger
 from vllm_deepinfer.models.layers import Linear, _param
 from vllm_deepinfer.models.shared_host import NodeArena
 from vllm_deepinfer.models.step import StepBatch
-from vllm_deepinfer.moe.layer import IMAGE_TOKEN_SPAN
+from vllm_deepinfer.moe.layer import image_ids
 
 logger = get_logger(__name__)
 
@@ -97,7 +97,7 @@ class EngramHasher(nn.Module):
             token_map = torch.cat((token_map, torch.full((arch.vocab_size - token_map.numel(),), pad)))
         self.register_buffer("token_map", token_map, persistent=False)
         self.pad_id, self.max_ngram, self.n_heads = pad, arch.engram_max_ngram_size, arch.engram_n_heads
-        self.image_token_id = arch.image_token_id
+        self.image = image_ids(arch.image_token_id)  # image tokens end every n-gram
         primes = engram_hash.bucket_primes(arch.engram_vocab_size, arch.engram_n_heads, arch.engram_max_ngram_size,
                                            len(arch.engram_layer_ids))
         if [sum(p) for p in primes] != list(arch.engram_num_embeddings):
@@ -114,9 +114,8 @@ class EngramHasher(nn.Module):
 
         history, history_valid: [N, max_ngram] raw token ids at positions pos-(max_ngram-1) .. pos, and
         False before the sequence start. Returns [N, (max_ngram-1) * n_heads]."""
-        image = (self.image_token_id, self.image_token_id + IMAGE_TOKEN_SPAN) if self.image_token_id >= 0 else None
         return ops.engram_hash(history, history_valid, self.token_map, self.multipliers[table], self.primes[table],
-                               self.offsets[table], self.pad_id, image)
+                               self.offsets[table], self.pad_id, self.image)
 
 
 class Engram(nn.Module):
@@ -133,7 +132,7 @@ class Engram(nn.Module):
         self.wkv = Linear(n_cols * arch.engram_head_dim, (self.hc + 1) * self.hidden)
         self.q_weight = _param(self.hc, self.hidden)
         self.k_weight = _param(self.hc, self.hidden)
-        self.image_token_id = arch.image_token_id
+        self.image = image_ids(arch.image_token_id)
 
     def forward(self, streams: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """streams: [T, h, D] -> [T, h, D] with the gated Engram value added."""
@@ -146,9 +145,9 @@ class Engram(nn.Module):
             emb = self.embed(self.hash_rows(batch)).flatten(1)                # [T, cols * d]
         kv = self.wkv(emb).view(-1, self.hc + 1, self.hidden)
         mute = None
-        if self.image_token_id >= 0:  # image tokens get no Engram value
-            lo, ids = self.image_token_id, batch.token_ids
-            mute = batch.memo(("image tokens", lo), lambda: (ids >= lo) & (ids < lo + IMAGE_TOKEN_SPAN))
+        if self.image is not None:  # image tokens get no Engram value
+            (lo, hi), ids = self.image, batch.token_ids
+            mute = batch.memo(("image tokens", lo), lambda: (ids >= lo) & (ids < hi))
         return ops.engram_inject(streams, kv[:, : self.hc], kv[:, self.hc], self.q_weight, self.k_weight, self.eps, mute)
 
     def hash_rows(self, batch: StepBatch) -> torch.Tensor:

@@ -34,6 +34,12 @@ from vllm_deepinfer.ops import quant
 IMAGE_TOKEN_SPAN = 5  # ids [image_token_id, +5) route with bias_vl (vLLM's range, spec §7 Q17)
 
 
+def image_ids(image_token_id: int) -> tuple[int, int] | None:
+    """The id range [lo, hi) of V4.1's image tokens (bias_vl routing, no Engram n-grams or value), or None
+    without one (image_token_id < 0)."""
+    return (image_token_id, image_token_id + IMAGE_TOKEN_SPAN) if image_token_id >= 0 else None
+
+
 class Gate(nn.Module):
     def __init__(self, hidden: int, n_experts: int, vocab: int, topk: int, hash_routed: bool, with_bias_vl: bool):
         super().__init__()
@@ -60,7 +66,7 @@ class DeepseekRouter(BaseRouter):
     def __init__(self, gate: Gate, topk: int, route_scale: float, image_token_id: int,
                  eplb_state: EplbLayerState | None):
         super().__init__(top_k=topk, global_num_experts=gate.weight.shape[0], eplb_state=eplb_state)
-        self.gate, self.route_scale, self.image_token_id = gate, route_scale, image_token_id
+        self.gate, self.route_scale, self.image = gate, route_scale, image_ids(image_token_id)
 
     @property
     def routing_method_type(self) -> RoutingMethodType:
@@ -73,7 +79,7 @@ class DeepseekRouter(BaseRouter):
         if gate.tid2eid is not None:
             forced = gate.tid2eid[token_ids.long()]
         elif gate.bias_vl is not None:  # image tokens take bias_vl (chosen per token by the router kernel)
-            vl = (gate.bias_vl, token_ids, self.image_token_id, self.image_token_id + IMAGE_TOKEN_SPAN)
+            vl = (gate.bias_vl, token_ids, *self.image)
         return ops.sqrtsoftplus_route(logits, gate.bias, self.top_k, self.route_scale, forced, vl, ids_dtype)
 
     def _compute_routing(self, hidden_states, router_logits, indices_type, *, input_ids=None):
