@@ -96,7 +96,7 @@ class EngramHasher(nn.Module):
         if arch.vocab_size > token_map.numel():  # ids the tokenizer never emits hash like padding
             token_map = torch.cat((token_map, torch.full((arch.vocab_size - token_map.numel(),), pad)))
         self.register_buffer("token_map", token_map, persistent=False)
-        self.pad_id, self.max_ngram, self.n_heads = pad, arch.engram_max_ngram_size, arch.engram_n_heads
+        self.pad_id, self.max_ngram = pad, arch.engram_max_ngram_size
         self.image = image_ids(arch.image_token_id)  # image tokens end every n-gram
         primes = engram_hash.bucket_primes(arch.engram_vocab_size, arch.engram_n_heads, arch.engram_max_ngram_size,
                                            len(arch.engram_layer_ids))
