@@ -322,7 +322,8 @@ def test_engine_dspark_varlen_lossless_max_and_min(ckpt_root, monkeypatch):
     """vLLM's V1 runner with `method="dspark"` (our proposer) and confidence-scheduled verification
     (DEEPINFER_ENABLE_MTP_VARLEN=1), mixed-length batch, chunked prefill: greedy tokens equal speculation off
     for both checkpoint drafters (same target); the reproducing drafter (c ~ 0.9997) is accepted and verified
-    at the full block length, the noise drafter (c ~ 0.0003) at length 0 (vLLM counts no draft tokens).
+    at the full block length, the noise drafter (c ~ 0.0003) at length 0 (vLLM counts no draft tokens), and after
+    a few unpaid blocks its proposals skip the block (`schedule.ColdDrafter`), still with the same tokens.
     vLLM computes no per-token slot mapping for any of the target's and drafter's cache groups.
     Decode and verification steps take the fixed-buffer draft step that CUDA graphs replay on a GPU
     (`spec_decode/draft_graphs.py`, run eagerly here: 3 requests padded to 4, trimmed verifications)."""
@@ -343,18 +344,24 @@ def test_engine_dspark_varlen_lossless_max_and_min(ckpt_root, monkeypatch):
             proposer.fixed_steps = proposer.fixed_step_graphs(capture_graphs=False)
             assert _generate(llm, prompts, 24) == base, kind
             drafted, accepted = _spec_counters(llm)
-            counts = draft_policy(llm).length_counts
+            policy = draft_policy(llm)
+            counts, blocks, skipped, steps = (policy.length_counts, policy.draft_steps, policy.cold.skipped,
+                                              policy.steps)
             verified = _verified_lengths(llm)
             fixed = proposer.fixed_steps.steps
         print(f"{kind} in vLLM, varlen: {accepted}/{drafted} draft tokens accepted, lengths chosen {counts}, "
-              f"verified (/metrics) {verified}, {fixed} fixed-buffer steps")
+              f"verified (/metrics) {verified}, {fixed} fixed-buffer steps, {blocks} blocks run, {skipped} "
+              "proposals skipped")
         assert sum(counts) > 0 and fixed >= 3 and len(verified) == n + 1
         if kind == "reproduce":
             assert counts[n] == sum(counts) and drafted > 0 and accepted / drafted >= 0.95
             assert verified[n] * n == drafted and sum(verified[1:n]) == 0
+            assert skipped == 0
         else:
             assert counts[0] == sum(counts) and drafted == 0
             assert sum(verified[1:]) == 0 and verified[0] > 0
+            # the cold drafter: after 4 unpaid blocks, proposals store context rows only, with probes between
+            assert skipped > 0 and blocks + skipped == steps
 
 
 def test_engine_dspark_seeded_sampling_distribution(ckpt_root):

@@ -17,7 +17,7 @@ import torch
 from tests.conftest import draft_policy, engine, recorded_preemptions, tiny_checkpoint
 from tests.fidelity import prompt_ids
 from tests.sampling_stats import ALPHA, POSITIONS, assert_same_distribution, chi2_homogeneity_p, seeded_samples
-from vllm_deepinfer.spec_decode.schedule import VerifyCost, choose_lengths, draft_survival, no_slot_pays
+from vllm_deepinfer.spec_decode.schedule import ColdDrafter, VerifyCost, choose_lengths, draft_survival, no_slot_pays
 
 # Module-scoped engines live until the module ends, and a newer engine in the process takes over vLLM's global
 # state (forward context, distributed groups): each test uses only the newest engine, so the tests are ordered
@@ -289,6 +289,53 @@ def test_no_slot_pays_bounds_the_chosen_lengths():
                 assert int(lengths.max()) <= j
                 break
     assert 20 < stops < 200, stops   # both outcomes exercised
+
+
+def _cold_run(cold: ColdDrafter, outcomes, lag: int = 0) -> str:
+    """Drive `cold` for len(outcomes) proposals; outcomes[i]: whether proposal i's drafts would pay. A RUN / PROBE
+    proposal's outcome is reported `lag` proposals later (V2's budget reads stale estimates). -> the kinds as a
+    string of letters (R run, P probe, M more, S skip)."""
+    kinds, pending = [], []
+    for i, pays in enumerate(outcomes):
+        while pending and pending[0][0] <= i:
+            cold.paid(*pending.pop(0)[1:])
+        kind = cold.step()
+        kinds.append(kind[0].upper())
+        if kind in (ColdDrafter.RUN, ColdDrafter.PROBE):
+            pending.append((i + lag, kind, pays))
+    return "".join(kinds)
+
+
+def test_cold_drafter_skips_unpaid_blocks_and_probes():
+    """`ColdDrafter`: four unpaid blocks turn it cold; it probes after 4, 8, 16 ... skipped proposals (at most
+    128); a paid probe makes it hot again; a new request brings the next probe forward."""
+    never = _cold_run(ColdDrafter(), [False] * 80)
+    assert never == "RRRR" + "S" * 4 + "P" + "S" * 8 + "P" + "S" * 16 + "P" + "S" * 32 + "P" + "S" * 12
+    assert _cold_run(ColdDrafter(), [True] * 20) == "R" * 20
+    # paid again from proposal 8 (the first probe): hot from then on
+    assert _cold_run(ColdDrafter(), [False] * 8 + [True] * 6) == "RRRR" + "SSSS" + "P" + "R" * 5
+    capped = ColdDrafter(max_interval=16)
+    _cold_run(capped, [False] * 200)
+    assert capped.interval == 16
+    cold = ColdDrafter()
+    _cold_run(cold, [False] * 20)          # cold, waiting 16 - 6 more proposals
+    cold.new_request()
+    assert _cold_run(cold, [False] * 6) == "SSSSPS"
+    # V2: a probe is two blocks and its outcome arrives two proposals later; the probe's second block is not
+    # reported, and an unpaid RUN block still in flight when it turned cold does not count
+    v2 = _cold_run(ColdDrafter(probe_len=2), [False] * 40, lag=2)
+    assert v2 == "RRRRR" + "SSSS" + "PM" + "S" * 8 + "PM" + "S" * 16 + "PM" + "S", v2
+
+
+def test_free_slots_of_vllms_verify_cost_table():
+    """V2's cold-drafter rule counts a budget as paid only past the slots the step's padded graph computes anyway:
+    `free_slots` on a table vLLM itself builds (`build_cost_tables_from_curves`, graphs of 1/2/4/8 tokens)."""
+    from vllm.v1.worker.gpu.spec_decode.adaptive_verification import build_cost_tables_from_curves
+
+    from vllm_deepinfer.patches.cold_drafter_v2 import free_slots
+
+    _, verify = build_cost_tables_from_curves([(1, 0.5)], [(1, 1.0), (2, 1.1), (4, 1.2), (8, 1.5)], 8, 64, 8)
+    assert [free_slots(verify, n) for n in (1, 2, 3, 4, 5, 8, 9)] == [0, 0, 1, 0, 3, 0, 0]
 
 
 # ----------------------------------------------------------------------------- vllm serve

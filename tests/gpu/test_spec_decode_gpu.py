@@ -129,6 +129,7 @@ def test_dspark_varlen_on_v2_equals_none(monkeypatch):
     ref = _plain(ckpt)
     monkeypatch.setenv("VLLM_DEEPINFER_DSPARK_V2", "1")
     monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
+    monkeypatch.setenv("VLLM_DEEPINFER_COLD_DRAFTER", "0")  # every budget here fits the graph padding (test below)
     seen = {"adaptive": False, "split": 0, "mixed_split": 0}
 
     def steep_verify_cost_and_count_splits(llm) -> None:
@@ -156,4 +157,32 @@ def test_dspark_varlen_on_v2_equals_none(monkeypatch):
           f"{seen['split']} steps with split host offsets ({seen['mixed_split']} with a prefill)")
     assert runner.startswith("vllm.v1.worker.gpu.") and seen["adaptive"] and drafts > 0
     assert seen["split"] > 0, "no step ran with host offsets other than the device ones"
+    assert got == ref
+
+
+def test_cold_drafter_on_v2_equals_none(monkeypatch):
+    """Adaptive verification on V2 with a verify cost that no draft pays (the step cost jumps past one token):
+    after four unpaid blocks vLLM's DSpark speculator skips the block (`patches/cold_drafter_v2.py`: eager
+    context rows only, budget 0), probing it now and then; the tokens stay those of plain decode."""
+    from vllm_deepinfer.patches import cold_drafter_v2
+
+    ckpt = _ckpt("ckpt-v41m")
+    ref = _plain(ckpt)
+    monkeypatch.setenv("VLLM_DEEPINFER_DSPARK_V2", "1")
+    monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
+    seen = {}
+
+    def no_draft_pays(llm) -> None:
+        manager = model_runner(llm).adaptive_verification
+        seen["adaptive"] = manager is not None
+        if manager is not None:
+            manager.set_cost_curves([(1, 0.0), (8, 0.0)], [(1, 1.0), (2, 1000.0)])
+
+    got, mode, drafts, _, _, runner = _generate(ckpt, {"method": "dspark", "num_speculative_tokens": K},
+                                                setup=no_draft_pays)
+    skipped = cold_drafter_v2.skipped()
+    print(f"\nckpt-v41m dspark cold drafter on V2 K={K}: runner {runner}, cudagraph_mode {mode}, {skipped} proposals "
+          "skipped")
+    assert runner.startswith("vllm.v1.worker.gpu.") and seen["adaptive"]
+    assert skipped > 20  # 64 decode steps: 4 unpaid, then probes after 4, 8, 16, 32 skipped proposals
     assert got == ref

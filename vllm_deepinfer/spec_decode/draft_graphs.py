@@ -11,6 +11,7 @@ does not use). So the proposer replays one full graph per padded request count R
     graph:  req  = searchsorted(offsets[1:], token, right)      token = 0 .. R (1 + K) - 1
             keep = captured[token] & (token < T)                 (the target's graph padding is not context)
             context write; block forward of R x N tokens; drafts [R, N], confidence [R, N]
+            (N = 0, a cold drafter's proposal: the context write only)
 
 Every step whose requests have at most 1 + K target tokens each fits (decode, verification, varlen-trimmed
 verification); prefill and mixed steps, and batch-invariant mode's coupled drafts, stay eager. Sizes R: powers of
@@ -81,7 +82,7 @@ class DraftStepGraphs:
     def propose(self, r: int, n: int, metadata: dict[str, PagedCacheMetadata], tables: dict[int, torch.Tensor],
                 query_start_loc: torch.Tensor, num_tokens: int, positions: torch.Tensor, anchors: torch.Tensor,
                 anchor_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One proposal of N = n drafts for B = len(anchors) <= r requests. metadata: the step's drafter cache
+        """One proposal of N = n drafts (0: the context rows only) for B = len(anchors) <= r requests. metadata: the step's drafter cache
         metadata (by layer); tables: group id -> block table [>= B, blocks]; query_start_loc: [B + 1] device
         offsets of the step's num_tokens target tokens; positions: [num_tokens]; anchors, anchor_pos: [B].
         -> (tokens [B, n] int64, confidence [B, n] fp32), fresh tensors."""
@@ -146,6 +147,9 @@ class DraftStepGraphs:
         req = torch.searchsorted(self.offsets[1: r + 1], token, right=True).clamp_(max=r - 1)
         keep = self.capture.valid[:t_pad] & (token < self.n_tokens)
         self.drafter.write_context(self.capture.features[:t_pad], req, self.positions[:t_pad], metadata, keep=keep)
+        if n == 0:  # a cold drafter's proposal (`schedule.ColdDrafter`): the context rows only
+            none = self.anchors.new_empty(r, 0)
+            return none, none.float()
         block = DraftBatch(self.rows[:r], self.anchor_pos[:r], n, metadata)
         draft = self.drafter.draft(self.anchors[:r], block)
         return draft.tokens, draft.confidence

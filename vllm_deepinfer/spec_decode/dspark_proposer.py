@@ -15,7 +15,8 @@ the runner's place. It keeps the base class's input preparation (`prepare_next_t
 Drafts are greedy (argmax of the Markov-corrected logits): a deterministic proposal, so V1's rejection
 sampler (no draft probabilities) stays exact for any target sampling. In batch-invariant mode the drafts of
 sampled requests are the seeded draws with the target's noise instead (exact-match verification there).
-The confidence head's c_k feed the draft-length policy (`DraftLengthPolicy.observe`). With CUDA graphs on
+The confidence head's c_k feed the draft-length policy (`DraftLengthPolicy.observe`); while its cold-drafter
+rule says the block buys nothing (`schedule.ColdDrafter`), a proposal stores the context rows only. With CUDA graphs on
 (any `cudagraph_mode` but NONE) decode and verification steps replay the proposer's own graphs
 (`spec_decode/draft_graphs.py`); vLLM's dummy runs do nothing here. Not covered: multimodal inputs,
 `disable_padded_drafter_batch`.
@@ -134,26 +135,34 @@ class DSparkProposer(EagleProposer):
             anchor_pos = anchor_pos - num_rejected_tokens_gpu[:b].long()
         tables = self._tables(cm)
         metadata = self._metadata(cm, tables)
-        coupling = self._coupling(sampling_metadata, b)
+        policy = self.model.draft_policy
+        # a cold drafter's proposal (`schedule.ColdDrafter`) runs no block: n = 0, the context rows only
+        n = num_speculative_tokens if policy.block_runs(self.runner.input_batch.req_ids[:b]) else 0
+        coupling = self._coupling(sampling_metadata, b) if n else {}
         r = None
         if self.fixed_steps is not None and not coupling:
             r = self.fixed_steps.size_for(b, int(counts.max(initial=0)))
         with torch.inference_mode():
             if r is not None:
                 tokens, confidence = self.fixed_steps.propose(
-                    r, num_speculative_tokens, metadata, tables, cm.query_start_loc, t, target_positions,
-                    next_token_ids[:b].long(), anchor_pos)
+                    r, n, metadata, tables, cm.query_start_loc, t, target_positions, next_token_ids[:b].long(),
+                    anchor_pos)
             else:
                 req = torch.from_numpy(np.repeat(np.arange(b), counts)).to(dev)
                 # the context's token count is the block's (B * N rows through each stage's MoE: under data
-                # parallelism the ranks agree on it, and an idle rank's `dummy_run` joins)
-                with set_forward_context(metadata, self.vllm_config, num_tokens=b * num_speculative_tokens):
+                # parallelism the ranks agree on it, and an idle rank's `dummy_run` joins; data parallelism
+                # turns the cold drafter off)
+                with set_forward_context(metadata, self.vllm_config, num_tokens=b * n if n else t):
                     self.model.write_context(self.capture.features[:t], req, target_positions[:t].long(), metadata,
                                              keep=self.capture.valid[:t])
-                    block = DraftBatch(torch.arange(b, device=dev), anchor_pos, num_speculative_tokens, metadata)
-                    draft = self.model.draft(next_token_ids[:b].long(), block, **coupling)
-                tokens, confidence = draft.tokens, draft.confidence
-        self.model.draft_policy.observe(confidence)
+                    if n:
+                        block = DraftBatch(torch.arange(b, device=dev), anchor_pos, n, metadata)
+                        draft = self.model.draft(next_token_ids[:b].long(), block, **coupling)
+                        tokens, confidence = draft.tokens, draft.confidence
+        if not n:
+            policy.skip(b, dev)  # survival 0: these drafts are never verified
+            return next_token_ids[:b].long().unsqueeze(1).repeat(1, num_speculative_tokens)
+        policy.observe(confidence)
         return tokens
 
     def _coupling(self, sampling_metadata, b: int) -> dict:

@@ -9,7 +9,10 @@ Survival estimates [B, K] of each proposal:
   slot can pay for its verification (its survival is below the lowest threshold of `choose_lengths`), the
   later steps cannot change the chosen lengths, so the loop stops there (`StopDrafting`) and the missing
   positions are padded with survival 0 (never verified).
-* DSpark (one block per proposal): `observe` with the confidence head's per-position c_k.
+* DSpark (one block per proposal): `observe` with the confidence head's per-position c_k. With varlen on (and no
+  data parallelism, whose ranks must agree on every block), `cold` (`schedule.ColdDrafter`) decides per
+  proposal whether the block runs (`block_runs`); a skipped proposal stores only its context rows and `skip`
+  gives it survival 0, so none of its drafts is verified.
 
 When the runner hands the drafts to the scheduler (`take_draft_token_ids`), `trim` cuts each request's list
 to `schedule.choose_lengths` (varlen on, DEEPINFER_ENABLE_MTP_VARLEN=1) or keeps K (off). The scheduler then
@@ -26,11 +29,12 @@ from collections.abc import Collection
 import torch
 
 from vllm_deepinfer.log import get_logger
-from vllm_deepinfer.spec_decode.schedule import VerifyCost, choose_lengths, draft_survival, no_slot_pays
+from vllm_deepinfer.spec_decode.schedule import ColdDrafter, VerifyCost, choose_lengths, draft_survival, no_slot_pays
 
 logger = get_logger(__name__)
 
 VARLEN_ENV = "DEEPINFER_ENABLE_MTP_VARLEN"
+COLD_ENV = "VLLM_DEEPINFER_COLD_DRAFTER"  # 0: DSpark's block runs on every proposal (`schedule.ColdDrafter`)
 LOG_EVERY = 200  # steps between draft-length log lines
 
 
@@ -44,6 +48,13 @@ def varlen_enabled(environ: dict[str, str] | None = None) -> bool:
 def varlen_requested(speculative_config) -> bool:
     """Varlen asked for: DEEPINFER_ENABLE_MTP_VARLEN, or `enable_adaptive_verification` in the speculative config."""
     return varlen_enabled() or bool(speculative_config.enable_adaptive_verification)
+
+
+def cold_drafter_enabled(vllm_config) -> bool:
+    """Whether DSpark with confidence-scheduled verification may skip its block (`schedule.ColdDrafter`): unless
+    VLLM_DEEPINFER_COLD_DRAFTER=0, and not under data parallelism, where every rank must join every block's
+    expert-parallel collectives."""
+    return os.environ.get(COLD_ENV, "1") != "0" and vllm_config.parallel_config.data_parallel_size == 1
 
 
 def policy_for(vllm_config, kind: str) -> DraftLengthPolicy:
@@ -96,6 +107,9 @@ class DraftLengthPolicy:
         # the target runner's full-graph keys (`patches/varlen_graphs.py`, set where the runner hands the drafts
         # over): a verification step is padded to the smallest that holds it, so `trim` fills that padding
         self.graph_keys: Collection = ()
+        self.cold: ColdDrafter | None = None  # DSpark with varlen: when the block runs (set by the drafter)
+        self._kind = ColdDrafter.RUN          # the last proposal's `ColdDrafter.step()`
+        self._req_ids: set[str] = set()
 
     def start(self) -> None:
         self._probs, self._tokens, self._dists, self.survival = [], [], [], None
@@ -150,6 +164,20 @@ class DraftLengthPolicy:
         self.survival = draft_survival(confidence)
         self.draft_steps += 1
 
+    def block_runs(self, req_ids: list[str]) -> bool:
+        """Before a DSpark proposal for the requests `req_ids`: whether its block runs (always, without `cold`)."""
+        if self.cold is None:
+            return True
+        if not set(req_ids) <= self._req_ids:
+            self.cold.new_request()
+        self._req_ids = set(req_ids)
+        self._kind = self.cold.step()
+        return self._kind != ColdDrafter.SKIP
+
+    def skip(self, num_reqs: int, device: torch.device) -> None:
+        """A proposal whose block did not run: survival 0 for every draft of its `num_reqs` requests."""
+        self.survival = torch.zeros(num_reqs, self.max_len, device=device)
+
     def _padded(self, num_reqs: int):
         """n -> the tokens of the captured graph a step of n tokens in `num_reqs` requests replays (None: no graphs)."""
         if not self.graph_keys:
@@ -167,15 +195,19 @@ class DraftLengthPolicy:
             b = len(drafts)
             lengths = choose_lengths(self.survival[:b], b, self.cost, padded=self._padded(b)).tolist()
             drafts = [d[:n] for d, n in zip(drafts, lengths)]
+            if self.cold is not None and self._kind in (ColdDrafter.RUN, ColdDrafter.PROBE):
+                self.cold.paid(self._kind, not no_slot_pays(self.survival[:b, 0], b, self.cost))
         for d in drafts:
             self.length_counts[min(len(d), self.max_len)] += 1
         self.steps += 1
         if self.steps % LOG_EVERY == 0:
             total = sum(self.length_counts)
             mean = sum(n * c for n, c in enumerate(self.length_counts)) / max(total, 1)
-            logger.info("vllm-deepinfer draft lengths (%s): mean %.2f, counts by length %s, %d drafter steps",
-                        "varlen" if self.varlen else "fixed", mean, self.length_counts, self.draft_steps)
+            logger.info("vllm-deepinfer draft lengths (%s): mean %.2f, counts by length %s, %d drafter steps%s",
+                        "varlen" if self.varlen else "fixed", mean, self.length_counts, self.draft_steps,
+                        "" if self.cold is None else f", {self.cold.skipped} proposals skipped (cold drafter)")
         return drafts
 
 
-__all__ = ["DraftLengthPolicy", "StopDrafting", "VARLEN_ENV", "policy_for", "varlen_enabled", "varlen_requested"]
+__all__ = ["COLD_ENV", "DraftLengthPolicy", "StopDrafting", "VARLEN_ENV", "cold_drafter_enabled", "policy_for",
+           "varlen_enabled", "varlen_requested"]

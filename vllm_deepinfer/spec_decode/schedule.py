@@ -15,6 +15,12 @@ non-increasing, the chosen slots of a request always form a prefix, so k_r is a 
 Under CUDA graphs the target computes the step padded to a captured size (`patches/varlen_graphs.py`), so
 the slots between n and that size are free: the next best drafts fill them.
 
+A drafter whose drafts never pay (a poor match for the traffic) still costs its block every step. `ColdDrafter`
+skips the block once no draft has paid for `patience` proposals in a row, and probes it again after an interval
+that doubles while the probes fail (a new request brings the next probe forward). Skipping is lossless: a skipped
+proposal's drafts are never verified, and the drafter still stores its context rows of every step's tokens, so a
+probe drafts from a complete window.
+
 Survival sources: the V4 MTP drafter has no confidence head, so `spec_decode/proposer.py` feeds the
 running product of the drafter's own probability of each drafted token (`draft_survival`); the V4.1
 DSpark confidence head's per-position sigmoid outputs feed the same function through the same product.
@@ -97,4 +103,59 @@ def choose_lengths(survival: torch.Tensor, batch_size: int, cost: VerifyCost = V
     return lengths
 
 
-__all__ = ["VerifyCost", "choose_lengths", "draft_survival", "no_slot_pays"]
+class ColdDrafter:
+    """When to run the drafter's block (batch level; module docstring).
+
+    `step()` is asked once per proposal and returns what it is: RUN (hot: every block runs), PROBE (the first
+    block of a probe), MORE (the probe's further blocks) or SKIP (context rows only, nothing to verify). For a
+    RUN or PROBE proposal the caller reports `paid(kind, any_paid)`: whether the policy chose any of its drafts for
+    the verification they pay for (slots a padded CUDA graph computes for free do not count). `probe_len` blocks make one probe: 1 where the lengths come from the
+    proposal's own estimates (our V1 policy), 2 under vLLM's V2 adaptive verification, whose draft budget for a
+    step reads the estimates of the proposal before the one it verifies."""
+
+    RUN, PROBE, MORE, SKIP = "run", "probe", "more", "skip"
+
+    def __init__(self, patience: int = 4, first_interval: int = 4, max_interval: int = 128, probe_len: int = 1):
+        self.patience, self.first_interval, self.max_interval = patience, first_interval, max_interval
+        self.probe_len = probe_len
+        self.unpaid = 0            # consecutive unpaid RUN proposals
+        self.cold = False
+        self.interval = first_interval
+        self.wait = 0              # proposals to skip before the next probe
+        self.more = 0              # MORE blocks of the current probe still to run
+        self.proposals = 0         # proposals asked about so far (for logs and tests)
+        self.skipped = 0           # of which skipped
+
+    def step(self) -> str:
+        self.proposals += 1
+        if not self.cold:
+            return self.RUN
+        if self.more > 0:
+            self.more -= 1
+            return self.MORE
+        if self.wait > 0:
+            self.wait -= 1
+            self.skipped += 1
+            return self.SKIP
+        self.more = self.probe_len - 1
+        return self.PROBE
+
+    def paid(self, kind: str, any_paid: bool) -> None:
+        """The outcome of a RUN or PROBE proposal (class docstring). A RUN block still in flight when the drafter
+        turned cold (V2's stale estimates) only counts if it paid."""
+        if any_paid:
+            self.cold, self.unpaid, self.interval, self.more = False, 0, self.first_interval, 0
+        elif kind == self.PROBE:  # a failed probe
+            self.interval = min(2 * self.interval, self.max_interval)
+            self.wait = self.interval
+        elif not self.cold:
+            self.unpaid += 1
+            if self.unpaid >= self.patience:
+                self.cold, self.unpaid, self.wait = True, 0, self.interval
+
+    def new_request(self) -> None:
+        """A request joined: probe within `first_interval` proposals (the interval itself is kept)."""
+        self.wait = min(self.wait, self.first_interval)
+
+
+__all__ = ["ColdDrafter", "VerifyCost", "choose_lengths", "draft_survival", "no_slot_pays"]

@@ -1,0 +1,134 @@
+"""DeepInfer's cold-drafter rule (`spec_decode.schedule.ColdDrafter`) under vLLM's V2 DSpark speculator.
+
+Reason: with adaptive verification (`enable_adaptive_verification`, what `DEEPINFER_ENABLE_MTP_VARLEN=1` maps to
+on V2) vLLM trims the verified drafts to a global budget, but the V2 runner calls `DSparkSpeculator.propose`
+every step (`GPUModelRunner` after the target's sampling), so the whole draft block (three stages, N query rows
+per request, attention and MoE each) runs even when the budget has been 0 for every request for many steps: a
+noise drafter cost 0.32-0.50 of plain decode's speed on the tiny target (H100, 2026-12-07). vLLM 0.32 has no hook
+to skip a proposal; its per-step draft length (`num_speculative_tokens`) is chosen by batch size only.
+
+Three wraps, installed by our drafter's constructor under the V2 opt-in (`VLLM_DEEPINFER_DSPARK_V2=1`, CUDA) and
+active only where the first real proposal finds the rule applies (our DSpark drafter, vLLM using its confidence
+head, i.e. adaptive verification on, and no data parallelism: `proposer.cold_drafter_enabled`):
+
+* `DSparkSpeculator.propose` (inherited from `DFlashSpeculator`): asks `ColdDrafter.step()`; a SKIP proposal runs
+  vLLM's own propose with its draft step (`_generate_draft`) replaced by nothing and eager dispatch
+  (`is_profile=True`: the full graph would run the block), so the context rows of the step's tokens are still
+  stored (`precompute_and_store_context_kv`), and publishes confidence 0 for every draft;
+* `AdaptiveVerificationManager.get_num_tokens`: when the drafts to verify come from a skipped proposal, the
+  budget is 0 (they are the stale drafts of an earlier block); otherwise vLLM's budget, read from the estimates
+  of the proposal before last (`record_confidences` double-buffers them), is that proposal's outcome for the
+  rule: it paid when the budget exceeds the slots the step's padded CUDA graph computes anyway;
+* `AdaptiveVerificationManager.add_request`: a new request brings the next probe forward.
+
+The rule lives on the speculator; the manager's wraps read the newest speculator's (`_STATE`: one V2 runner per
+worker process, engines one after another in a test process).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+
+import numpy as np
+
+from vllm_deepinfer.log import get_logger
+from vllm_deepinfer.spec_decode.schedule import ColdDrafter
+
+logger = get_logger(__name__)
+LOG_EVERY = 1000  # proposals between log lines
+
+
+@dataclasses.dataclass
+class _Cold:
+    rule: ColdDrafter
+    kinds: collections.deque  # `ColdDrafter.step()` of the last two proposals
+
+
+_STATE: _Cold | None = None  # the rule of the newest speculator that proposed (its runner's manager reads it)
+
+
+def free_slots(verify_cost: np.ndarray, num_tokens: int) -> int:
+    """Draft slots a step of `num_tokens` verifies at no extra cost: the rest of its bucket in vLLM's step-function
+    verify-cost table (a captured graph's padding)."""
+    same = verify_cost[num_tokens:] == verify_cost[num_tokens]
+    return int(same.size if same.all() else np.argmin(same)) - 1
+
+
+def _no_draft(*args, **kwargs) -> None:
+    return None
+
+
+def _state_for(speculator) -> _Cold | None:
+    """The speculator's rule, decided on its first real proposal (None: the rule does not apply)."""
+    global _STATE
+    if not hasattr(speculator, "_deepinfer_cold"):
+        from vllm_deepinfer.spec_decode.dspark import DSparkDrafter
+        from vllm_deepinfer.spec_decode.proposer import cold_drafter_enabled
+
+        applies = (isinstance(speculator.model, DSparkDrafter) and speculator.use_confidence_head
+                   and cold_drafter_enabled(speculator.vllm_config))
+        speculator._deepinfer_cold = _Cold(ColdDrafter(probe_len=2), collections.deque(maxlen=2)) if applies else None
+        _STATE = speculator._deepinfer_cold
+    return speculator._deepinfer_cold
+
+
+def apply() -> None:
+    from vllm.v1.worker.gpu.spec_decode.adaptive_verification import AdaptiveVerificationManager
+    from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
+
+    propose = DSparkSpeculator.propose
+    if getattr(propose, "_deepinfer", False):
+        return
+    get_num_tokens, add_request = AdaptiveVerificationManager.get_num_tokens, AdaptiveVerificationManager.add_request
+
+    @functools.wraps(propose)
+    def propose_or_skip(self, input_batch, *args, **kwargs):
+        state = None if kwargs.get("dummy_run") or kwargs.get("is_profile") else _state_for(self)
+        if state is None:
+            return propose(self, input_batch, *args, **kwargs)
+        kind = state.rule.step()
+        state.kinds.append(kind)
+        if state.rule.proposals % LOG_EVERY == 0:
+            logger.info("vllm-deepinfer DSpark on V2: %d of %d proposals skipped (cold drafter)", state.rule.skipped,
+                        state.rule.proposals)
+        if kind != ColdDrafter.SKIP:
+            return propose(self, input_batch, *args, **kwargs)
+        self._generate_draft = _no_draft  # this call only: the block
+        try:
+            out = propose(self, input_batch, *args, **dict(kwargs, is_profile=True))
+        finally:
+            del self._generate_draft
+        self.draft_token_confidence_probs[: input_batch.num_reqs].zero_()
+        return out
+
+    @functools.wraps(get_num_tokens)
+    def budgeted(self, num_tokens_per_req, draft_tokens):
+        n = get_num_tokens(self, num_tokens_per_req, draft_tokens)
+        if _STATE is None or not _STATE.kinds:
+            return n
+        drafts, non_draft, budget = self._batch_budget
+        if _STATE.kinds[-1] == ColdDrafter.SKIP:  # stale drafts of an earlier block: verify none
+            self._batch_budget = (drafts, non_draft, 0)
+            return n - budget
+        if len(_STATE.kinds) == 2 and _STATE.kinds[0] in (ColdDrafter.RUN, ColdDrafter.PROBE):
+            _STATE.rule.paid(_STATE.kinds[0], budget > free_slots(self.cost_tables[1], sum(non_draft.values())))
+        return n
+
+    @functools.wraps(add_request)
+    def add_request_probing(self, req_idx: int) -> None:
+        add_request(self, req_idx)
+        if _STATE is not None:
+            _STATE.rule.new_request()
+
+    for fn in (propose_or_skip, budgeted, add_request_probing):
+        fn._deepinfer = True
+    DSparkSpeculator.propose = propose_or_skip
+    AdaptiveVerificationManager.get_num_tokens = budgeted
+    AdaptiveVerificationManager.add_request = add_request_probing
+
+
+def skipped() -> int:
+    """Proposals the newest V2 DSpark speculator skipped (0 where the rule is not active)."""
+    return 0 if _STATE is None else _STATE.rule.skipped
