@@ -11,10 +11,10 @@ Three wraps, installed by our drafter's constructor under the V2 opt-in (`VLLM_D
 active only where the first real proposal finds the rule applies (our DSpark drafter, vLLM using its confidence
 head, i.e. adaptive verification on, and no data parallelism: `proposer.cold_drafter_enabled`):
 
-* `DSparkSpeculator.propose` (inherited from `DFlashSpeculator`): asks `ColdDrafter.step()`; a SKIP proposal runs
-  vLLM's own propose with its draft step (`_generate_draft`) replaced by nothing and eager dispatch
-  (`is_profile=True`: the full graph would run the block), so the context rows of the step's tokens are still
-  stored (`precompute_and_store_context_kv`), and publishes confidence 0 for every draft;
+* `DSparkSpeculator.propose` (inherited from `DFlashSpeculator`): asks `ColdDrafter.step()`; a SKIP proposal only
+  stores the context rows of the step's tokens (`combine_hidden_states`, then `precompute_and_store_context_kv` at
+  the slots the runner's slot mapping of the step gives the drafter's window caches, eagerly: ~17 small kernels),
+  publishes confidence 0 for every draft and returns the last block's drafts, which are never verified;
 * `AdaptiveVerificationManager.get_num_tokens`: when the drafts to verify come from a skipped proposal, the
   budget is 0 (they are the stale drafts of an earlier block); otherwise vLLM's budget, read from the estimates
   of the proposal before last (`record_confidences` double-buffers them), is that proposal's outcome for the
@@ -32,6 +32,7 @@ import dataclasses
 import functools
 
 import numpy as np
+import torch
 
 from vllm_deepinfer.log import get_logger
 from vllm_deepinfer.spec_decode.schedule import ColdDrafter
@@ -56,8 +57,14 @@ def free_slots(verify_cost: np.ndarray, num_tokens: int) -> int:
     return int(same.size if same.all() else np.argmin(same)) - 1
 
 
-def _no_draft(*args, **kwargs) -> None:
-    return None
+def _store_context(model, num_tokens: int, positions, slot_mappings: dict, aux_hidden_states: list) -> None:
+    """A skipped proposal: the drafter's context rows of the step's `num_tokens` target tokens, stored where the
+    runner's slot mapping of this step puts them in each stage's window cache (DFlash's own context precompute
+    builds the same slots from the same block tables; rejected tokens' rows sit at positions no block reads before
+    they are written again)."""
+    main_x = model.combine_hidden_states(torch.cat(aux_hidden_states, dim=-1)[:num_tokens])
+    slots = [slot_mappings[name][:num_tokens] for name in model.get_draft_kv_cache_layer_names()]
+    model.precompute_and_store_context_kv(main_x, positions[:num_tokens], slots)
 
 
 def _state_for(speculator) -> _Cold | None:
@@ -84,24 +91,22 @@ def apply() -> None:
     get_num_tokens, add_request = AdaptiveVerificationManager.get_num_tokens, AdaptiveVerificationManager.add_request
 
     @functools.wraps(propose)
-    def propose_or_skip(self, input_batch, *args, **kwargs):
+    def propose_or_skip(self, input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states,
+                        *args, **kwargs):
         state = None if kwargs.get("dummy_run") or kwargs.get("is_profile") else _state_for(self)
-        if state is None:
-            return propose(self, input_batch, *args, **kwargs)
-        kind = state.rule.step()
-        state.kinds.append(kind)
-        if state.rule.proposals % LOG_EVERY == 0:
-            logger.info("vllm-deepinfer DSpark on V2: %d of %d proposals skipped (cold drafter)", state.rule.skipped,
-                        state.rule.proposals)
-        if kind != ColdDrafter.SKIP:
-            return propose(self, input_batch, *args, **kwargs)
-        self._generate_draft = _no_draft  # this call only: the block
-        try:
-            out = propose(self, input_batch, *args, **dict(kwargs, is_profile=True))
-        finally:
-            del self._generate_draft
-        self.draft_token_confidence_probs[: input_batch.num_reqs].zero_()
-        return out
+        if state is not None:
+            kind = state.rule.step()
+            state.kinds.append(kind)
+            if state.rule.proposals % LOG_EVERY == 0:
+                logger.info("vllm-deepinfer DSpark on V2: %d of %d proposals skipped (cold drafter)",
+                            state.rule.skipped, state.rule.proposals)
+            if kind == ColdDrafter.SKIP:
+                _store_context(self.model, input_batch.num_tokens, input_batch.positions, slot_mappings,
+                               aux_hidden_states)
+                self.draft_token_confidence_probs[: input_batch.num_reqs].zero_()
+                return self.draft_tokens[: input_batch.num_reqs]  # the last block's, never verified (budget 0)
+        return propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states,
+                       *args, **kwargs)
 
     @functools.wraps(get_num_tokens)
     def budgeted(self, num_tokens_per_req, draft_tokens):

@@ -108,10 +108,11 @@ class ColdDrafter:
 
     `step()` is asked once per proposal and returns what it is: RUN (hot: every block runs), PROBE (the first
     block of a probe), MORE (the probe's further blocks) or SKIP (context rows only, nothing to verify). For a
-    RUN or PROBE proposal the caller reports `paid(kind, any_paid)`: whether the policy chose any of its drafts for
-    the verification they pay for (slots a padded CUDA graph computes for free do not count). `probe_len` blocks make one probe: 1 where the lengths come from the
-    proposal's own estimates (our V1 policy), 2 under vLLM's V2 adaptive verification, whose draft budget for a
-    step reads the estimates of the proposal before the one it verifies."""
+    RUN or PROBE proposal the caller reports `paid(kind, any_paid)`: whether the policy chose any of its drafts
+    for the verification they pay for (slots a padded CUDA graph computes for free do not count). `probe_len`
+    blocks make one probe: 1 where the lengths come from the proposal's own estimates (our V1 policy), 2 under
+    vLLM's V2 adaptive verification, whose draft budget for a step reads the estimates of the proposal before
+    the one it verifies."""
 
     RUN, PROBE, MORE, SKIP = "run", "probe", "more", "skip"
 
