@@ -308,7 +308,8 @@ def _cold_run(cold: ColdDrafter, outcomes, lag: int = 0) -> str:
 
 def test_cold_drafter_skips_unpaid_blocks_and_probes():
     """`ColdDrafter`: four unpaid blocks turn it cold; it probes after 4, 8, 16 ... skipped proposals (at most
-    128); a paid probe makes it hot again; a new request brings the next probe forward."""
+    128); a paid probe makes it hot again; a new request brings the next probe forward, once between two
+    scheduled probes."""
     never = _cold_run(ColdDrafter(), [False] * 80)
     assert never == "RRRR" + "S" * 4 + "P" + "S" * 8 + "P" + "S" * 16 + "P" + "S" * 32 + "P" + "S" * 12
     assert _cold_run(ColdDrafter(), [True] * 20) == "R" * 20
@@ -321,6 +322,10 @@ def test_cold_drafter_skips_unpaid_blocks_and_probes():
     _cold_run(cold, [False] * 20)          # cold, waiting 16 - 6 more proposals
     cold.new_request()
     assert _cold_run(cold, [False] * 6) == "SSSSPS"
+    cold.new_request()                     # once between two scheduled probes: the wait (32) stays
+    assert _cold_run(cold, [False] * 33) == "S" * 31 + "PS"
+    cold.new_request()                     # after a scheduled probe: again
+    assert _cold_run(cold, [False] * 5) == "SSSSP"
     # V2: a probe is two blocks and its outcome arrives two proposals later; the probe's second block is not
     # reported, and an unpaid RUN block still in flight when it turned cold does not count
     v2 = _cold_run(ColdDrafter(probe_len=2), [False] * 40, lag=2)

@@ -17,7 +17,8 @@ the slots between n and that size are free: the next best drafts fill them.
 
 A drafter whose drafts never pay (a poor match for the traffic) still costs its block every step. `ColdDrafter`
 skips the block once no draft has paid for `patience` proposals in a row, and probes it again after an interval
-that doubles while the probes fail (a new request brings the next probe forward). Skipping is lossless: a skipped
+that doubles while the probes fail (a new request brings the next probe forward, once between two scheduled
+probes). Skipping is lossless: a skipped
 proposal's drafts are never verified, and the drafter still stores its context rows of every step's tokens, so a
 probe drafts from a complete window.
 
@@ -124,6 +125,8 @@ class ColdDrafter:
         self.interval = first_interval
         self.wait = 0              # proposals to skip before the next probe
         self.more = 0              # MORE blocks of the current probe still to run
+        self.early_allowed = True  # a new request may still bring the next probe forward (once per probe)
+        self.early_pending = False # the next probe was brought forward
         self.proposals = 0         # proposals asked about so far (for logs and tests)
         self.skipped = 0           # of which skipped
 
@@ -139,6 +142,7 @@ class ColdDrafter:
             self.skipped += 1
             return self.SKIP
         self.more = self.probe_len - 1
+        self.early_allowed, self.early_pending = not self.early_pending, False
         return self.PROBE
 
     def paid(self, kind: str, any_paid: bool) -> None:
@@ -155,8 +159,10 @@ class ColdDrafter:
                 self.cold, self.unpaid, self.wait = True, 0, self.interval
 
     def new_request(self) -> None:
-        """A request joined: probe within `first_interval` proposals (the interval itself is kept)."""
-        self.wait = min(self.wait, self.first_interval)
+        """A request joined: probe within `first_interval` proposals, at most once between two scheduled probes
+        (under steady arrivals the probes stay at the interval); the interval itself is kept."""
+        if self.cold and self.early_allowed and self.wait > self.first_interval:
+            self.wait, self.early_allowed, self.early_pending = self.first_interval, False, True
 
 
 __all__ = ["ColdDrafter", "VerifyCost", "choose_lengths", "draft_survival", "no_slot_pays"]
