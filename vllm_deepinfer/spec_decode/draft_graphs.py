@@ -82,9 +82,10 @@ class DraftStepGraphs:
     def propose(self, r: int, n: int, metadata: dict[str, PagedCacheMetadata], tables: dict[int, torch.Tensor],
                 query_start_loc: torch.Tensor, num_tokens: int, positions: torch.Tensor, anchors: torch.Tensor,
                 anchor_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One proposal of N = n drafts (0: the context rows only) for B = len(anchors) <= r requests. metadata: the step's drafter cache
-        metadata (by layer); tables: group id -> block table [>= B, blocks]; query_start_loc: [B + 1] device
-        offsets of the step's num_tokens target tokens; positions: [num_tokens]; anchors, anchor_pos: [B].
+        """One proposal of N = n drafts (0: the context rows only) for B = len(anchors) <= r requests.
+        metadata: the step's drafter cache metadata (by layer); tables: group id -> block table [>= B, blocks];
+        query_start_loc: [B + 1] device offsets of the step's num_tokens target tokens; positions: [num_tokens];
+        anchors, anchor_pos: [B].
         -> (tokens [B, n] int64, confidence [B, n] fp32), fresh tensors."""
         b = anchors.shape[0]
         self._load(r, b, tables, query_start_loc, num_tokens, positions, anchors, anchor_pos)

@@ -16,8 +16,8 @@ Drafts are greedy (argmax of the Markov-corrected logits): a deterministic propo
 sampler (no draft probabilities) stays exact for any target sampling. In batch-invariant mode the drafts of
 sampled requests are the seeded draws with the target's noise instead (exact-match verification there).
 The confidence head's c_k feed the draft-length policy (`DraftLengthPolicy.observe`); while its cold-drafter
-rule says the block buys nothing (`schedule.ColdDrafter`), a proposal stores the context rows only. With CUDA graphs on
-(any `cudagraph_mode` but NONE) decode and verification steps replay the proposer's own graphs
+rule says the block buys nothing (`schedule.ColdDrafter`), a proposal stores the context rows only. With CUDA
+graphs on (any `cudagraph_mode` but NONE) decode and verification steps replay the proposer's own graphs
 (`spec_decode/draft_graphs.py`); vLLM's dummy runs do nothing here. Not covered: multimodal inputs,
 `disable_padded_drafter_batch`.
 """

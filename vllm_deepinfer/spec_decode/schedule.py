@@ -18,9 +18,8 @@ the slots between n and that size are free: the next best drafts fill them.
 A drafter whose drafts never pay (a poor match for the traffic) still costs its block every step. `ColdDrafter`
 skips the block once no draft has paid for `patience` proposals in a row, and probes it again after an interval
 that doubles while the probes fail (a new request brings the next probe forward, once between two scheduled
-probes). Skipping is lossless: a skipped
-proposal's drafts are never verified, and the drafter still stores its context rows of every step's tokens, so a
-probe drafts from a complete window.
+probes). Skipping is lossless: a skipped proposal's drafts are never verified, and the drafter still stores its
+context rows of every step's tokens, so a probe drafts from a complete window.
 
 Survival sources: the V4 MTP drafter has no confidence head, so `spec_decode/proposer.py` feeds the
 running product of the drafter's own probability of each drafted token (`draft_survival`); the V4.1
@@ -125,8 +124,8 @@ class ColdDrafter:
         self.interval = first_interval
         self.wait = 0              # proposals to skip before the next probe
         self.more = 0              # MORE blocks of the current probe still to run
-        self.early_allowed = True  # a new request may still bring the next probe forward (once per probe)
-        self.early_pending = False # the next probe was brought forward
+        self.early_allowed = True   # a new request may still bring the next probe forward (once per probe)
+        self.early_pending = False  # the next probe was brought forward
         self.proposals = 0         # proposals asked about so far (for logs and tests)
         self.skipped = 0           # of which skipped
 
