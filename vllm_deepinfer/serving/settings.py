@@ -1,4 +1,4 @@
-"""DeepInfer's `DEEPINFER_*` environment settings under vLLM: honoured, mapped, or rejected.
+r"""DeepInfer's `DEEPINFER_*` environment settings under vLLM: honoured, mapped, or rejected.
 
 Checked by `vllm_deepinfer.serving.register()` (the general plugin) in every vLLM process, so a
 setting the plugin cannot honour stops `vllm serve` / `LLM()` at start-up with the reason, instead of
