@@ -206,13 +206,15 @@ def test_heads_match_vllm_in_tree_pieces(session):
 def test_v2_speculator_steps_equal_draft(session, reference):
     """The steps vLLM's V2 `DSparkSpeculator` calls (`VLLM_DEEPINFER_DSPARK_V2=1`), in its order, on a drafter
     whose embedding and head were shared the way vLLM's V2 loader shares them (`model.embed_tokens`, `lm_head`):
-    context KV stored by slot ids, the block forward from the forward context, then the Markov loop and the
+    context KV stored by slot ids (as a cold drafter's skipped proposal stores it), the block forward from the
+    forward context, then the Markov loop and the
     confidences: the same greedy tokens as `draft` on the V1 path, logits and confidences within fp32 rounding
     (the context KV of all requests comes from one GEMM here, per request there)."""
     from vllm.config import set_current_vllm_config
     from vllm.forward_context import set_forward_context
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
+    from vllm_deepinfer.spec_decode.draft_graphs import ContextWriteGraphs
     from vllm_deepinfer.spec_decode.dspark import DSparkDrafter
 
     n, lens = 5, (150, 37, 1)
@@ -235,8 +237,11 @@ def test_v2_speculator_steps_equal_draft(session, reference):
     ids[:, 0] = torch.tensor(anchors)
     block_pos = torch.tensor([c.shape[0] for c in contexts]).unsqueeze(1) + torch.arange(n)
     with torch.inference_mode(), set_forward_context(meta, session.vcfg):
-        main_x = v2.combine_hidden_states(torch.cat([c for c in contexts]).flatten(1))
-        v2.precompute_and_store_context_kv(main_x, pos, [slots] * len(v2.stages))
+        # the context write of a skipped V2 proposal (`patches/cold_drafter_v2.py`; on CPU eager):
+        # combine_hidden_states, then precompute_and_store_context_kv at vLLM's slots
+        aux = torch.cat(contexts)                                            # [T, n_targets, D]
+        writes = ContextWriteGraphs(v2, aux.shape[0], aux[0].numel(), aux.dtype, aux.device)
+        writes.store(list(aux.unbind(1)), pos, [slots] * len(v2.stages))
         hidden = v2(ids.flatten(), block_pos.flatten())
         base = v2.compute_draft_logits(hidden).view(len(lens), n, -1)
         prev, tokens, logits, psis = torch.tensor(anchors), [], [], []

@@ -162,8 +162,8 @@ def test_dspark_varlen_on_v2_equals_none(monkeypatch):
 
 def test_cold_drafter_on_v2_equals_none(monkeypatch):
     """Adaptive verification on V2 with a verify cost that no draft pays (the step cost jumps past one token):
-    after four unpaid blocks vLLM's DSpark speculator skips the block (`patches/cold_drafter_v2.py`: eager
-    context rows only, budget 0), probing it now and then; the tokens stay those of plain decode."""
+    after four unpaid blocks vLLM's DSpark speculator skips the block (`patches/cold_drafter_v2.py`: context rows
+    only, replayed as a CUDA graph, budget 0), probing it now and then; the tokens stay those of plain decode."""
     from vllm_deepinfer.patches import cold_drafter_v2
 
     ckpt = _ckpt("ckpt-v41m")
@@ -180,9 +180,11 @@ def test_cold_drafter_on_v2_equals_none(monkeypatch):
 
     got, mode, drafts, _, _, runner = _generate(ckpt, {"method": "dspark", "num_speculative_tokens": K},
                                                 setup=no_draft_pays)
-    skipped = cold_drafter_v2.skipped()
+    state = cold_drafter_v2.newest()
+    skipped, replays = state.rule.skipped, state.context.replays
     print(f"\nckpt-v41m dspark cold drafter on V2 K={K}: runner {runner}, cudagraph_mode {mode}, {skipped} proposals "
-          "skipped")
+          f"skipped, {replays} context writes replayed as graphs")
     assert runner.startswith("vllm.v1.worker.gpu.") and seen["adaptive"]
     assert skipped > 20  # 64 decode steps: 4 unpaid, then probes after 4, 8, 16, 32 skipped proposals
+    assert replays >= skipped - 2  # the first skipped step of the batch size runs eagerly, then its graph
     assert got == ref

@@ -13,15 +13,16 @@ head, i.e. adaptive verification on, and no data parallelism: `proposer.cold_dra
 
 * `DSparkSpeculator.propose` (inherited from `DFlashSpeculator`): asks `ColdDrafter.step()`; a SKIP proposal only
   stores the context rows of the step's tokens (`combine_hidden_states`, then `precompute_and_store_context_kv` at
-  the slots the runner's slot mapping of the step gives the drafter's window caches, eagerly: ~17 small kernels),
-  publishes confidence 0 for every draft and returns the last block's drafts, which are never verified;
+  the slots the runner's slot mapping of the step gives the drafter's window caches; a CUDA graph per token
+  count, `draft_graphs.ContextWriteGraphs`), publishes confidence 0 for every draft and returns the last block's
+  drafts, which are never verified;
 * `AdaptiveVerificationManager.get_num_tokens`: when the drafts to verify come from a skipped proposal, the
   budget is 0 (they are the stale drafts of an earlier block); otherwise vLLM's budget, read from the estimates
   of the proposal before last (`record_confidences` double-buffers them), is that proposal's outcome for the
   rule: it paid when the budget exceeds the slots the step's padded CUDA graph computes anyway;
 * `AdaptiveVerificationManager.add_request`: a new request brings the next probe forward.
 
-The rule lives on the speculator; the manager's wraps read the newest speculator's (`_STATE`: one V2 runner per
+The rule lives on the speculator; the manager's wraps read the newest speculator's (`newest()`: one V2 runner per
 worker process, engines one after another in a test process).
 """
 
@@ -32,9 +33,9 @@ import dataclasses
 import functools
 
 import numpy as np
-import torch
 
 from vllm_deepinfer.log import get_logger
+from vllm_deepinfer.spec_decode.draft_graphs import ContextWriteGraphs
 from vllm_deepinfer.spec_decode.schedule import ColdDrafter
 
 logger = get_logger(__name__)
@@ -42,12 +43,13 @@ LOG_EVERY = 1000  # proposals between log lines
 
 
 @dataclasses.dataclass
-class _Cold:
+class ColdState:
     rule: ColdDrafter
-    kinds: collections.deque  # `ColdDrafter.step()` of the last two proposals
+    kinds: collections.deque        # `ColdDrafter.step()` of the last two proposals
+    context: ContextWriteGraphs     # a skipped proposal's context write
 
 
-_STATE: _Cold | None = None  # the rule of the newest speculator that proposed (its runner's manager reads it)
+_STATE: ColdState | None = None  # the rule of the newest speculator that proposed (its runner's manager reads it)
 
 
 def free_slots(verify_cost: np.ndarray, num_tokens: int) -> int:
@@ -57,26 +59,21 @@ def free_slots(verify_cost: np.ndarray, num_tokens: int) -> int:
     return int(same.size if same.all() else np.argmin(same)) - 1
 
 
-def _store_context(model, num_tokens: int, positions, slot_mappings: dict, aux_hidden_states: list) -> None:
-    """A skipped proposal: the drafter's context rows of the step's `num_tokens` target tokens, stored where the
-    runner's slot mapping of this step puts them in each stage's window cache (DFlash's own context precompute
-    builds the same slots from the same block tables; rejected tokens' rows sit at positions no block reads before
-    they are written again)."""
-    main_x = model.combine_hidden_states(torch.cat(aux_hidden_states, dim=-1)[:num_tokens])
-    slots = [slot_mappings[name][:num_tokens] for name in model.get_draft_kv_cache_layer_names()]
-    model.precompute_and_store_context_kv(main_x, positions[:num_tokens], slots)
-
-
-def _state_for(speculator) -> _Cold | None:
+def _state_for(speculator) -> ColdState | None:
     """The speculator's rule, decided on its first real proposal (None: the rule does not apply)."""
     global _STATE
     if not hasattr(speculator, "_deepinfer_cold"):
         from vllm_deepinfer.spec_decode.dspark import DSparkDrafter
         from vllm_deepinfer.spec_decode.proposer import cold_drafter_enabled
 
-        applies = (isinstance(speculator.model, DSparkDrafter) and speculator.use_confidence_head
-                   and cold_drafter_enabled(speculator.vllm_config))
-        speculator._deepinfer_cold = _Cold(ColdDrafter(probe_len=2), collections.deque(maxlen=2)) if applies else None
+        model = speculator.model
+        speculator._deepinfer_cold = None
+        if isinstance(model, DSparkDrafter) and speculator.use_confidence_head \
+                and cold_drafter_enabled(speculator.vllm_config):
+            rows = speculator.max_num_reqs * (1 + speculator.num_speculative_steps)  # decode and verification steps
+            width = len(model.target_layers) * model.arch.hidden_size
+            context = ContextWriteGraphs(model, rows, width, speculator.dtype, speculator.device)
+            speculator._deepinfer_cold = ColdState(ColdDrafter(probe_len=2), collections.deque(maxlen=2), context)
         _STATE = speculator._deepinfer_cold
     return speculator._deepinfer_cold
 
@@ -101,8 +98,12 @@ def apply() -> None:
                 logger.info("vllm-deepinfer DSpark on V2: %d of %d proposals skipped (cold drafter)",
                             state.rule.skipped, state.rule.proposals)
             if kind == ColdDrafter.SKIP:
-                _store_context(self.model, input_batch.num_tokens, input_batch.positions, slot_mappings,
-                               aux_hidden_states)
+                # the rows go where the runner's slot mapping of this step puts them in each stage's window cache
+                # (DFlash's own context precompute builds the same slots from the same block tables; rejected
+                # tokens' rows sit at positions no block reads before they are written again)
+                n = input_batch.num_tokens
+                slots = [slot_mappings[name][:n] for name in self.model.get_draft_kv_cache_layer_names()]
+                state.context.store(aux_hidden_states, input_batch.positions[:n], slots)
                 self.draft_token_confidence_probs[: input_batch.num_reqs].zero_()
                 return self.draft_tokens[: input_batch.num_reqs]  # the last block's, never verified (budget 0)
         return propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states,
@@ -134,6 +135,6 @@ def apply() -> None:
     AdaptiveVerificationManager.add_request = add_request_probing
 
 
-def skipped() -> int:
-    """Proposals the newest V2 DSpark speculator skipped (0 where the rule is not active)."""
-    return 0 if _STATE is None else _STATE.rule.skipped
+def newest() -> ColdState | None:
+    """The rule of the newest V2 DSpark speculator that proposed (None where it does not apply)."""
+    return _STATE

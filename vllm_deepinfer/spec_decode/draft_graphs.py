@@ -46,6 +46,58 @@ def padded_sizes(max_reqs: int) -> list[int]:
     return sizes + [max_reqs]
 
 
+class ContextWriteGraphs:
+    """The drafter's context write alone (a cold drafter's proposal under vLLM's V2 speculator,
+    `patches/cold_drafter_v2.py`), replayed as one CUDA graph per token count T <= rows.
+
+    fixed buffer <- the step's aux rows [T, n_targets * D] (the target's stream means, concatenated)
+    graph:  main_x = combine_hidden_states(aux); each stage's window rows stored at `slots[i]` (vLLM's slot mapping
+            of the step for that stage's cache group; positions and slots are the runner's persistent buffers)
+
+    A graph is keyed by T and the addresses of the positions and slot buffers it reads (a changed buffer gets a
+    new capture); the first step of a key runs eagerly (warm-up, and that step's rows), the capture follows it.
+    Larger steps (prefills), and all steps after a failed capture, run eagerly."""
+
+    def __init__(self, drafter: DSparkDrafter, rows: int, width: int, dtype: torch.dtype, device: torch.device):
+        self.drafter, self.rows = drafter, rows
+        self.aux = torch.zeros(rows, width, dtype=dtype, device=device)
+        self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.replays = 0  # steps served by a graph
+
+    def store(self, aux: list[torch.Tensor], positions: torch.Tensor, slots: list[torch.Tensor]) -> None:
+        """aux: the target's aux hidden states (each [>= T, D]); positions, slots: [T] (slots per stage, in
+        `get_draft_kv_cache_layer_names` order) -> every stage's context rows of the T tokens stored."""
+        t = positions.shape[0]
+        if t > self.rows or self.pool is None:
+            self._write(torch.cat([a[:t] for a in aux], dim=-1), positions, slots)
+            return
+        torch.cat([a[:t] for a in aux], dim=-1, out=self.aux[:t])
+        key = (t, positions.data_ptr(), *(s.data_ptr() for s in slots))
+        graph = self.graphs.get(key)
+        if graph is not None:
+            graph.replay()
+            self.replays += 1
+            return
+        self._write(self.aux[:t], positions, slots)
+        self._capture(key, positions, slots)
+
+    def _write(self, aux: torch.Tensor, positions: torch.Tensor, slots: list[torch.Tensor]) -> None:
+        self.drafter.precompute_and_store_context_kv(self.drafter.combine_hidden_states(aux), positions, slots)
+
+    def _capture(self, key: tuple, positions: torch.Tensor, slots: list[torch.Tensor]) -> None:
+        g = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(g, pool=self.pool, stream=current_stream(), capture_error_mode="thread_local"):
+                self._write(self.aux[:key[0]], positions, slots)
+        except (RuntimeError, AssertionError) as e:
+            logger.warning("vllm-deepinfer DSpark: capturing the context write of %d tokens failed (%s); it stays "
+                           "eager", key[0], e)
+            self.pool = None
+            return
+        self.graphs[key] = g
+
+
 class DraftStepGraphs:
     """Fixed buffers and graphs of the DSpark draft step (module docstring).
 

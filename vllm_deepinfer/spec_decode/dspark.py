@@ -49,7 +49,6 @@ from vllm_deepinfer.models.layers import Linear, RMSNorm, pack_fp8_linears
 from vllm_deepinfer.models.loader import DRAFT_PREFIX, hc_param_name, write_tensors
 from vllm_deepinfer.models.rope import RotaryTable
 from vllm_deepinfer.ops import quant
-from vllm_deepinfer.patches import cold_drafter_v2
 from vllm_deepinfer.patches.drafters_v1 import dspark_opt_in
 from vllm_deepinfer.serving.seeded_sampling import seeded_rows
 from vllm_deepinfer.spec_decode.proposer import cold_drafter_enabled, policy_for
@@ -267,6 +266,8 @@ class DSparkDrafter(nn.Module):
             self.draft_policy.cold = ColdDrafter()
         if spec is not None and torch.device(vllm_config.device_config.device).type == "cuda" \
                 and dspark_opt_in(spec, vllm_config.model_config):
+            from vllm_deepinfer.patches import cold_drafter_v2  # (imports this module's graphs: not at the top)
+
             cold_drafter_v2.apply()  # the same rule under vLLM's V2 speculator and its adaptive verification
         if ops.packed_storage(ops.FP8_LINEARS_ENV, torch.device(vllm_config.device_config.device).type):
             fp8 = {draft_name(n) for n, (dtype, _) in expected_tensors(arch).items()
