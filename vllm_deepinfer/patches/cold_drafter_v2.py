@@ -47,6 +47,7 @@ class ColdState:
     rule: ColdDrafter
     kinds: collections.deque        # `ColdDrafter.step()` of the last two proposals
     context: ContextWriteGraphs     # a skipped proposal's context write
+    reported: bool = False          # the outcome of kinds[0] was reported (once per proposal)
 
 
 _STATE: ColdState | None = None  # the rule of the newest speculator that proposed (its runner's manager reads it)
@@ -94,6 +95,7 @@ def apply() -> None:
         if state is not None:
             kind = state.rule.step()
             state.kinds.append(kind)
+            state.reported = False
             if state.rule.proposals % LOG_EVERY == 0:
                 logger.info("vllm-deepinfer DSpark on V2: %d of %d proposals skipped (cold drafter)",
                             state.rule.skipped, state.rule.proposals)
@@ -118,8 +120,9 @@ def apply() -> None:
         if _STATE.kinds[-1] == ColdDrafter.SKIP:  # stale drafts of an earlier block: verify none
             self._batch_budget = (drafts, non_draft, 0)
             return n - budget
-        if len(_STATE.kinds) == 2 and _STATE.kinds[0] in (ColdDrafter.RUN, ColdDrafter.PROBE):
+        if len(_STATE.kinds) == 2 and _STATE.kinds[0] in (ColdDrafter.RUN, ColdDrafter.PROBE) and not _STATE.reported:
             _STATE.rule.paid(_STATE.kinds[0], budget > free_slots(self.cost_tables[1], sum(non_draft.values())))
+            _STATE.reported = True
         return n
 
     @functools.wraps(add_request)
