@@ -188,3 +188,48 @@ def test_cold_drafter_on_v2_equals_none(monkeypatch):
     assert skipped > 20  # 64 decode steps: 4 unpaid, then probes after 4, 8, 16, 32 skipped proposals
     assert replays >= skipped - 2  # the first skipped step of the batch size runs eagerly, then its graph
     assert got == ref
+
+
+def test_cold_drafter_context_rows_on_v2(monkeypatch, tmp_path):
+    """The context rows a skipped V2 proposal stores (its own slots and graph, not vLLM's propose) are the rows the
+    next blocks read: with a drafter that reproduces the target (`make_checkpoint --drafter reproduce`) and two of
+    every six proposals forced to skip, the drafts verified afterwards are still accepted (a wrong row in the
+    window would turn them into noise). Acceptance is counted against the drafts the budget verified
+    (`cold_drafter_v2.ColdState.verified`): vLLM's V2 counters count the scheduled ones."""
+    import subprocess
+    import sys
+
+    from vllm_deepinfer.patches import cold_drafter_v2
+    from vllm_deepinfer.spec_decode.schedule import ColdDrafter
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    ckpt = tmp_path / "v41-reproduce"
+    subprocess.run([sys.executable, "-m", "vllm_deepinfer.tools.make_checkpoint", "--arch", "v4.1-flash", "--preset",
+                    "tiny-gpu", "--drafter", "reproduce", "--out", str(ckpt)], check=True, capture_output=True)
+    monkeypatch.setenv("VLLM_DEEPINFER_DSPARK_V2", "1")
+    monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
+
+    def pattern(self) -> str:  # proposals 0, 1 of every 6 skip; the rest run (outcomes ignored)
+        self.proposals += 1
+        if self.proposals % 6 in (1, 2):
+            self.skipped += 1
+            return ColdDrafter.SKIP
+        return ColdDrafter.RUN
+
+    monkeypatch.setattr(ColdDrafter, "step", pattern)
+    monkeypatch.setattr(ColdDrafter, "paid", lambda self, kind, any_paid: None)
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=list(range(100 + 7 * i, 140 + 7 * i))) for i in range(3)]
+    with engine(ckpt, dtype="bfloat16", enforce_eager=False, gpu_memory_utilization=0.3, max_model_len=512,
+                max_num_seqs=8, disable_log_stats=False, speculative_config={"method": "dspark",
+                                                                          "num_speculative_tokens": K}) as llm:
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True), use_tqdm=False)
+        accepted = sum(int(m.value) for m in llm.get_metrics() if m.name == "vllm:spec_decode_num_accepted_tokens")
+    state = cold_drafter_v2.newest()
+    print(f"\nreproducing drafter on V2, 2 of 6 proposals skipped: {state.rule.skipped} skipped, {state.verified} "
+          f"drafts verified, {accepted} accepted, {state.context.replays} context writes replayed")
+    assert state.rule.skipped > 10 and state.verified > 30
+    assert accepted >= 0.9 * state.verified

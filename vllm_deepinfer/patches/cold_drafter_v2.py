@@ -48,6 +48,7 @@ class ColdState:
     kinds: collections.deque        # `ColdDrafter.step()` of the last two proposals
     context: ContextWriteGraphs     # a skipped proposal's context write
     reported: bool = False          # the outcome of kinds[0] was reported (once per proposal)
+    verified: int = 0               # drafts verified so far (the budgets; vLLM's V2 counters count scheduled ones)
 
 
 _STATE: ColdState | None = None  # the rule of the newest speculator that proposed (its runner's manager reads it)
@@ -97,8 +98,8 @@ def apply() -> None:
             state.kinds.append(kind)
             state.reported = False
             if state.rule.proposals % LOG_EVERY == 0:
-                logger.info("vllm-deepinfer DSpark on V2: %d of %d proposals skipped (cold drafter)",
-                            state.rule.skipped, state.rule.proposals)
+                logger.info("vllm-deepinfer DSpark on V2: %d of %d proposals skipped (cold drafter), %d drafts "
+                            "verified", state.rule.skipped, state.rule.proposals, state.verified)
             if kind == ColdDrafter.SKIP:
                 # the rows go where the runner's slot mapping of this step puts them in each stage's window cache
                 # (DFlash's own context precompute builds the same slots from the same block tables; rejected
@@ -120,6 +121,7 @@ def apply() -> None:
         if _STATE.kinds[-1] == ColdDrafter.SKIP:  # stale drafts of an earlier block: verify none
             self._batch_budget = (drafts, non_draft, 0)
             return n - budget
+        _STATE.verified += budget
         if len(_STATE.kinds) == 2 and _STATE.kinds[0] in (ColdDrafter.RUN, ColdDrafter.PROBE) and not _STATE.reported:
             _STATE.rule.paid(_STATE.kinds[0], budget > free_slots(self.cost_tables[1], sum(non_draft.values())))
             _STATE.reported = True
