@@ -73,29 +73,37 @@ class Compressor(nn.Module):
         out = []
         if nd:  # one-token requests: each pools its group; only tokens that close one keep the row
             self.state_cache.write(meta, batch.req, pos, state[:nd], keep=batch.live)
-            g = pos // m
-            latent = self.norm(self._pool(meta, batch.req.unsqueeze(1), g))
+            g = batch.memo(("group", m), lambda: pos // m)  # the same for every layer of this ratio
+            slots = batch.memo(("pool slots", m, self.overlap), lambda: self._slots(g))
+            latent = self.norm(self._pool(meta, batch.req.unsqueeze(1), slots))
             out.append(ClosedRows(batch.req, g, latent, batch.dec_closes_group(m)))
         if pf is not None:  # prefill: all spans' states in one write, all closed groups in one pool
             self.state_cache.write(meta, pf.req, pf.pos, state[pf.start:pf.end])
             req, g = pf.closed(m)
             if g.numel():
-                out.append(ClosedRows(req, g, self.norm(self._pool(meta, req.unsqueeze(1), g))))
+                out.append(ClosedRows(req, g, self.norm(self._pool(meta, req.unsqueeze(1), self._slots(g)))))
         return out
 
-    def _pool(self, meta, req: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
-        """Softmax-pool the cached token states of `groups` [G] (of requests req [G, 1]) -> [G, w] fp32."""
-        m, w = self.ratio, self.width
+    def _slots(self, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """groups [G] -> (positions [G, S] of the token states each group pools, clamped to >= 0; invalid [G, S, 1]:
+        the positions before the first token), S = 2m with overlap, else m."""
+        m = self.ratio
         n_slots = 2 * m if self.overlap else m
         first = groups * m - (m if self.overlap else 0)
         tok = first.unsqueeze(1) + torch.arange(n_slots, device=groups.device)            # [G, S]
-        valid = tok >= 0
-        rows = self.state_cache.read(meta, req, tok.clamp(min=0)).float()                 # [G, S, 2cw]
+        return tok.clamp(min=0), (tok < 0).unsqueeze(-1)
+
+    def _pool(self, meta, req: torch.Tensor, slots: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Softmax-pool the cached token states at `slots` (`_slots` of the groups; requests req [G, 1]) -> [G, w]
+        fp32."""
+        m, w = self.ratio, self.width
+        tok, invalid = slots
+        rows = self.state_cache.read(meta, req, tok).float()                              # [G, S, 2cw]
         c = 2 if self.overlap else 1
         kv, score = rows[..., : c * w], rows[..., c * w:]
         if self.overlap:  # previous block through its first half, current block through its second
             kv = torch.cat((kv[:, :m, :w], kv[:, m:, w:]), dim=1)
             score = torch.cat((score[:, :m, :w], score[:, m:, w:]), dim=1)
-        kv = kv.masked_fill(~valid.unsqueeze(-1), 0.0)
-        score = score.masked_fill(~valid.unsqueeze(-1), float("-inf"))
+        kv = kv.masked_fill(invalid, 0.0)
+        score = score.masked_fill(invalid, float("-inf"))
         return ops.softmax_pool(kv, score)
