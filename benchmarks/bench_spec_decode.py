@@ -16,7 +16,9 @@ on V2, vLLM's default scheduling).
 For each batch size B: B random prompts of --prompt-len tokens, greedy, --new-tokens each (ignore_eos), as
 `generate` calls after a warm-up call (prefix caching off, so all do the same work); per-user tok/s = new tokens /
 the median wall time of --reps calls; plus vLLM's spec-decode counters (acceptance rate, mean accepted length,
-per-position acceptance) over the timed calls. `--host-profile`: the engine runs in-process and one more batch-1 call (after the timed ones, so
+per-position acceptance) over the timed calls; with DSpark's cold drafter also the proposals and how many skipped
+their block, and on V2 the drafts the budget verified (vLLM's V2 counters count the scheduled ones, so
+`mean_verified` and `acceptance` are recomputed from it there). `--host-profile`: the engine runs in-process and one more batch-1 call (after the timed ones, so
 the numbers are unaffected) is cProfiled: the top functions by own time and by cumulative time per mode, to see
 where a host-bound speculative step goes.
 """
@@ -70,12 +72,19 @@ def run_mode(args: argparse.Namespace) -> dict:
                 out[m.name.removeprefix("vllm:spec_decode_")] = list(m.values) if hasattr(m, "values") else m.value
         return out
 
+    def cold() -> list | None:
+        try:
+            return llm.collective_rpc(_cold_counts)[0]
+        except Exception as e:  # noqa: BLE001 (a worker without the plugin: no counts, the timing still counts)
+            print(f"cold-drafter counts unavailable: {e}", file=sys.stderr)
+            return None
+
     results = []
     for b in args.batches:
         prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(10, 8000) for _ in range(args.prompt_len)])
                    for _ in range(b)]
         llm.generate(prompts, params, use_tqdm=False)  # warm-up
-        before = counters()
+        before, cold_before = counters(), cold()
         walls = []
         for _ in range(args.reps):  # the median: one call of 128 tokens lasts 0.2-0.7 s, single calls are noisy
             t = time.perf_counter()
@@ -91,11 +100,34 @@ def run_mode(args: argparse.Namespace) -> dict:
                        mean_accepted=d["num_accepted_tokens"] / d["num_drafts"],
                        per_position=[x / d["num_drafts"] for x in d["num_accepted_tokens_per_pos"]],
                        mean_verified=d["num_draft_tokens"] / d["num_drafts"])
+        cold_after = cold()
+        if cold_before is not None and cold_after is not None:  # DSpark's cold drafter (`schedule.ColdDrafter`)
+            row.update(proposals=cold_after[0] - cold_before[0], skipped=cold_after[1] - cold_before[1])
+            if cold_after[2] is not None:  # V2: the drafts the budget verified (vLLM counts the scheduled ones)
+                verified = cold_after[2] - cold_before[2]
+                row.update(verified_drafts=verified)
+                if d.get("num_drafts"):
+                    row.update(mean_verified=verified / d["num_drafts"],
+                               acceptance=d["num_accepted_tokens"] / verified if verified else None)
         results.append(row)
         print(json.dumps({"mode": args.mode, "row": row}), flush=True)
     if args.host_profile:
         host_profile(llm, args, rng, params)
     return {"mode": args.mode, "method": method, "k": args.k, "model": args.model, "results": results}
+
+
+def _cold_counts(worker) -> list | None:
+    """On a worker: DSpark's cold-drafter counts [proposals, skipped, drafts verified (V2 only, else None)], or None
+    where no cold drafter runs (`llm.collective_rpc`)."""
+    from vllm_deepinfer.patches import cold_drafter_v2
+
+    state = cold_drafter_v2.newest()
+    if state is not None:
+        return [state.rule.proposals, state.rule.skipped, state.verified]
+    drafter = getattr(getattr(worker, "model_runner", None), "drafter", None)
+    policy = getattr(getattr(drafter, "model", None), "draft_policy", None)
+    cold = getattr(policy, "cold", None)
+    return None if cold is None else [cold.proposals, cold.skipped, None]
 
 
 def host_profile(llm, args: argparse.Namespace, rng, params) -> None:
@@ -110,8 +142,9 @@ def host_profile(llm, args: argparse.Namespace, rng, params) -> None:
 
 def run_child(mode: str, args: argparse.Namespace, out: Path) -> dict:
     """One mode in its own process group, at most --mode-timeout s; the rows it printed count even if it is killed."""
+    # VLLM_ALLOW_INSECURE_SERIALIZATION: `collective_rpc` sends `_cold_counts` (a function) to this local engine
     env = dict(os.environ, DEEPINFER_ENABLE_MTP_VARLEN="1" if mode in ("varlen", "varlen-v2") else "0",
-               VLLM_DEEPINFER_DSPARK_V2="1" if mode.endswith("-v2") else "0")
+               VLLM_DEEPINFER_DSPARK_V2="1" if mode.endswith("-v2") else "0", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
     if mode.startswith("intree"):
         env["DEEPINFER_DISABLE"] = "1"
     if args.host_profile:  # the engine core in this process, where cProfile sees it
@@ -175,14 +208,17 @@ def main() -> None:
         summary.append(run_child(mode, args, out))
         (out / "spec_decode.json").write_text(json.dumps(summary, indent=2) + "\n")  # kept if a later mode hangs
     base = {r["batch"]: r["per_user_tok_s"] for s in summary if s["mode"] == "off" for r in s["results"]}
-    print(f"{'mode':13} {'batch':>5} {'tok/s/user':>11} {'vs off':>7} {'accept':>7} {'verified':>8}")
+    print(f"{'mode':13} {'batch':>5} {'tok/s/user':>11} {'vs off':>7} {'accept':>7} {'verified':>8} {'skipped':>11}")
+    nan = float("nan")
     for s in summary:
         if s.get("error"):
             print(f"{s['mode']:13} {s['error']}")
         for r in s["results"]:
-            ratio = r["per_user_tok_s"] / base[r["batch"]] if r["batch"] in base else float("nan")
-            print(f"{s['mode']:13} {r['batch']:>5} {r['per_user_tok_s']:>11.1f} {ratio:>7.2f} "
-                  f"{r.get('acceptance', float('nan')):>7.2f} {r.get('mean_verified', float('nan')):>8.2f}")
+            ratio = r["per_user_tok_s"] / base[r["batch"]] if r["batch"] in base else nan
+            accept, verified = (nan if r.get(k) is None else r[k] for k in ("acceptance", "mean_verified"))
+            skipped = f"{r['skipped']}/{r['proposals']}" if "skipped" in r else "-"
+            print(f"{s['mode']:13} {r['batch']:>5} {r['per_user_tok_s']:>11.1f} {ratio:>7.2f} {accept:>7.2f} "
+                  f"{verified:>8.2f} {skipped:>11}")
 
 
 if __name__ == "__main__":
