@@ -28,7 +28,6 @@ worker process, engines one after another in a test process).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 
@@ -45,9 +44,9 @@ LOG_EVERY = 1000  # proposals between log lines
 @dataclasses.dataclass
 class ColdState:
     rule: ColdDrafter
-    kinds: collections.deque        # `ColdDrafter.step()` of the last two proposals
     context: ContextWriteGraphs     # a skipped proposal's context write
-    reported: bool = False          # the outcome of kinds[0] was reported (once per proposal)
+    last: str | None = None         # `ColdDrafter.step()` of the last proposal (whose drafts the next step verifies)
+    judged: str | None = None       # of the one before, until the next budget reports its outcome (then None)
     verified: int = 0               # drafts verified so far (the budgets; vLLM's V2 counters count scheduled ones)
 
 
@@ -75,7 +74,7 @@ def _state_for(speculator) -> ColdState | None:
             rows = speculator.max_num_reqs * (1 + speculator.num_speculative_steps)  # decode and verification steps
             width = len(model.target_layers) * model.arch.hidden_size
             context = ContextWriteGraphs(model, rows, width, speculator.dtype, speculator.device)
-            speculator._deepinfer_cold = ColdState(ColdDrafter(probe_len=2), collections.deque(maxlen=2), context)
+            speculator._deepinfer_cold = ColdState(ColdDrafter(probe_len=2), context)
         _STATE = speculator._deepinfer_cold
     return speculator._deepinfer_cold
 
@@ -95,8 +94,7 @@ def apply() -> None:
         state = None if kwargs.get("dummy_run") or kwargs.get("is_profile") else _state_for(self)
         if state is not None:
             kind = state.rule.step()
-            state.kinds.append(kind)
-            state.reported = False
+            state.judged, state.last = state.last, kind
             if state.rule.proposals % LOG_EVERY == 0:
                 logger.info("vllm-deepinfer DSpark on V2: %d of %d proposals skipped (cold drafter), %d drafts "
                             "verified", state.rule.skipped, state.rule.proposals, state.verified)
@@ -115,16 +113,16 @@ def apply() -> None:
     @functools.wraps(get_num_tokens)
     def budgeted(self, num_tokens_per_req, draft_tokens):
         n = get_num_tokens(self, num_tokens_per_req, draft_tokens)
-        if _STATE is None or not _STATE.kinds:
+        if _STATE is None or _STATE.last is None:
             return n
         drafts, non_draft, budget = self._batch_budget
-        if _STATE.kinds[-1] == ColdDrafter.SKIP:  # stale drafts of an earlier block: verify none
+        if _STATE.last == ColdDrafter.SKIP:  # stale drafts of an earlier block: verify none
             self._batch_budget = (drafts, non_draft, 0)
             return n - budget
         _STATE.verified += budget
-        if len(_STATE.kinds) == 2 and _STATE.kinds[0] in (ColdDrafter.RUN, ColdDrafter.PROBE) and not _STATE.reported:
-            _STATE.rule.paid(_STATE.kinds[0], budget > free_slots(self.cost_tables[1], sum(non_draft.values())))
-            _STATE.reported = True
+        if _STATE.judged in (ColdDrafter.RUN, ColdDrafter.PROBE):  # once per proposal
+            _STATE.rule.paid(_STATE.judged, budget > free_slots(self.cost_tables[1], sum(non_draft.values())))
+            _STATE.judged = None
         return n
 
     @functools.wraps(add_request)
