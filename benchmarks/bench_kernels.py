@@ -181,15 +181,15 @@ def bench_moe(copy_gbs, gemm_tf, quick):
             record(f"routed_experts_mxfp4 T={t} E={E} K={K}", ms_k, ms_r, nbytes, flops, copy_gbs, gemm_tf)
             if t not in sweep:
                 continue
-            keep = moe.BM, moe.BN, moe.BK, moe.WARPS
+            keep = moe.BN, moe.BK, moe.WARPS
             for tiles in MOE_TILES[E]:
-                moe.BM, moe.BN, moe.BK, moe.WARPS = tiles
+                moe.BM, (moe.BN, moe.BK, moe.WARPS) = tiles[0], tiles[1:]
                 try:
                     ms_k = bench(lambda: moe.routed_experts_packed(x, ids, weights, *w, 10.0))
                     record(f"  T={t} E={E} BM,BN,BK,warps={tiles}", ms_k, None, nbytes, flops, copy_gbs, gemm_tf)
                 except Exception as e:  # noqa: BLE001
                     print("  tiles", tiles, "failed:", type(e).__name__, str(e)[:200])
-            moe.BM, moe.BN, moe.BK, moe.WARPS = keep
+            moe.BM, (moe.BN, moe.BK, moe.WARPS) = None, keep
 
 
 def bench_topk(copy_gbs, gemm_tf):

@@ -9,7 +9,8 @@ the stored MXFP4 codes (model-spec §4.3), never dequantised to memory:
 
 Steps (no host sync, shapes fixed by T and K only, so CUDA-graph capturable):
   1. torch: the T*K (token, expert) pairs, each token's experts ascending, stably sorted by expert;
-     ends[e] = #pairs with expert <= e; per-expert tiles of BM rows, tile_ends[e] = #tiles of experts <= e.
+     ends[e] = #pairs with expert <= e; per-expert tiles of BM rows (`row_tile`: 16 at decode, up to 128 when
+     each expert has many pairs), tile_ends[e] = #tiles of experts <= e.
      The grid holds min(T*K, T*K // BM + E) row tiles, an upper bound of sum_e ceil(n_e / BM);
      programs past the last tile return at once.
   2. `_gate_up_kernel`: per (row tile, BN columns of I): a = x W1^T, b = x W3^T with fp32 accumulation,
@@ -18,10 +19,14 @@ Steps (no host sync, shapes fixed by T and K only, so CUDA-graph capturable):
   3. `_down_kernel`: y = h W2^T per pair, fp32 accumulation, stored in x.dtype.
   4. `_combine_kernel`: out[t] = x.dtype(sum_k w[t, k] * y[t, k]) in fp32, k in ascending expert order
      (a fixed order, no atomics).
-Tiles are constants (never chosen from the token count), every dot product of a row runs over K in the same
-fixed chunks, and a pair's row does not depend on the other rows of its tile, so a token's result is
-bitwise independent of the batch. The GEMMs are "swap AB": the dequantised weight tile [BN, BK] is the
-left operand, the gathered activations [BK, BM] the right one (the tensor-core M dimension is the weight's).
+Every dot product of a row runs over K in the same fixed BK chunks with the same weight tile [BN, BK] (the
+tensor-core M dimension: BN and BK are constants), and a pair's row does not depend on the other rows of its
+tile, so a token's result is bitwise independent of the batch. The GEMMs are "swap AB": the dequantised weight
+tile is the left operand, the gathered activations [BK, BM] the right one, so the row tile BM is the MMA's N
+dimension; it is chosen from the batch (fewer weight re-reads when experts have many pairs) because an output
+element's k-ordered accumulation does not depend on N: on an H100 (triton 3.6, wgmma) BM 16 / 32 / 64 / 128 gave
+bitwise equal rows at T 64 - 4,096, while a BN of 32 (mma.sync instead of wgmma) changed them
+(benchmarks/results/gpu-1207e; tests/gpu/test_moe_kernels.py checks it on every GPU run).
 
 Dequantisation in registers: a nibble s|e1 e0|m is placed into an fp16 (sign -> bit 15, e1 e0 m -> bits
 11..9), whose value is exactly e2m1 * 2**-14 (code 1 becomes the fp16 subnormal 2**-15; the conversion to
@@ -37,12 +42,24 @@ import torch
 import triton
 import triton.language as tl
 
-# Pairs per row tile, output columns, reduction chunk (a multiple of 32). BM 16: at the release expert count a
-# decode tile holds ~1 pair; H100 (host triton 3.6, E=384 top-6, D 5120, I 2304): 296 / 1,569 / 4,068 / 6,340 us
-# at T 1 / 16 / 64 / 256 against 297 / 2,134 / 5,713 / 8,854 with BM 64 (benchmarks/results/gpu-1207b).
-BM, BN, BK = 16, 64, 128
+# Output columns and reduction chunk (a multiple of 32): fixed. BN 64 keeps the weight tile on wgmma.
+BN, BK = 64, 128
+# Pairs per row tile by the batch's mean pairs per expert (T*K/E): (below this mean, BM). H100 (host triton 3.6,
+# E=384 top-6, D 5120, I 2304; benchmarks/results/gpu-1207b, gpu-1207e): BM 16 is best up to T 256 (1,569 /
+# 4,068 / 6,340 us at T 16 / 64 / 256 against 2,134 / 5,713 / 8,854 with BM 64), BM 32 at T 1,024 (8,384 against
+# 9,067 us with BM 16), BM 128 at T 4,096 (13,569 against 26,956 with BM 16 and 14,523 with BM 64).
+ROW_TILES = ((8, 16), (32, 32), (48, 64))
+BM_LARGE = 128
+BM: int | None = None  # a fixed row tile instead (benchmark sweeps)
 BD_COMBINE = 512
 WARPS = 4
+
+
+def row_tile(pairs: int, experts: int) -> int:
+    """Row tile BM for `pairs` (token, expert) pairs over `experts` experts."""
+    if BM is not None:
+        return BM
+    return next((bm for below, bm in ROW_TILES if pairs < below * experts), BM_LARGE)
 
 
 @triton.jit
@@ -171,12 +188,13 @@ def routed_experts_packed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Ten
     flat = ids.reshape(-1)
     order = torch.sort(flat, stable=True).indices  # [T*K] pair t*K+k, grouped by expert
     ends = torch.searchsorted(flat[order], torch.arange(1, E + 1, device=x.device), out_int32=True)
-    tiles = torch.diff(ends, prepend=ends.new_zeros(1)).add_(BM - 1).div_(BM, rounding_mode="floor")
+    bm = row_tile(T * K, E)
+    tiles = torch.diff(ends, prepend=ends.new_zeros(1)).add_(bm - 1).div_(bm, rounding_mode="floor")
     tile_ends = tiles.cumsum(0, dtype=torch.int32)
     pos = torch.empty_like(order).scatter_(0, order, torch.arange(T * K, device=x.device))  # pair -> sorted row
     order = order.to(torch.int32)
-    n_tiles = min(T * K, T * K // BM + E)
-    common = dict(E=E, E_POW2=triton.next_power_of_2(E), BM=BM, BN=BN, BK=BK, IEEE=x.dtype == torch.float32,
+    n_tiles = min(T * K, T * K // bm + E)
+    common = dict(E=E, E_POW2=triton.next_power_of_2(E), BM=bm, BN=BN, BK=BK, IEEE=x.dtype == torch.float32,
                   num_warps=WARPS, num_stages=2)
     h = x.new_empty(T * K, I)
     _gate_up_kernel[(n_tiles, triton.cdiv(I, BN))](

@@ -202,20 +202,21 @@ def test_kv_record_kernels_compile(dtype):
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_moe_kernels_compile(dtype):
     """The MXFP4 routed experts of batch-invariant mode (bf16 dots; fp32 IEEE dots) at the release expert count
-    and the wrapper's tiles and stages, within SM90's shared memory."""
+    and the wrapper's tiles (every row tile) and stages, within SM90's shared memory."""
     from kernels_nvidia import moe
 
     common = {"order_ptr": "*i32", "ends_ptr": "*i32", "tile_ends_ptr": "*i32", "K_TOP": "i32", "D": "i32", "I": "i32"}
     weights = {"w_ptr": "*u8", "s_ptr": "*u8"}
     strides = {"stride_we": "i64", "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32"}
-    cx = dict(E=384, E_POW2=512, BM=moe.BM, BN=moe.BN, BK=moe.BK, IEEE=dtype == "fp32")
+    cx = dict(E=384, E_POW2=512, BN=moe.BN, BK=moe.BK, IEEE=dtype == "fp32")
     gate_up = dict({"x_ptr": f"*{dtype}"}, **weights, h_ptr=f"*{dtype}", **common, limit="fp32", stride_x="i32",
                    **strides)
     down = dict({"h_ptr": f"*{dtype}"}, **weights, y_ptr=f"*{dtype}", **common, **strides)
-    for fn, sig in ((moe._gate_up_kernel, gate_up), (moe._down_kernel, down)):
-        aligned = tuple(n for n in sig if n.endswith("_ptr") or n.startswith("stride") or n in ("D", "I"))
-        out = _compile(fn, sig, cx, num_warps=moe.WARPS, aligned=aligned, num_stages=2)
-        assert out.metadata.shared <= SM90_SHARED_BYTES, (fn.__name__, out.metadata.shared)
+    for bm in sorted({bm for _, bm in moe.ROW_TILES} | {moe.BM_LARGE}):
+        for fn, sig in ((moe._gate_up_kernel, gate_up), (moe._down_kernel, down)):
+            aligned = tuple(n for n in sig if n.endswith("_ptr") or n.startswith("stride") or n in ("D", "I"))
+            out = _compile(fn, sig, dict(cx, BM=bm), num_warps=moe.WARPS, aligned=aligned, num_stages=2)
+            assert out.metadata.shared <= SM90_SHARED_BYTES, (fn.__name__, bm, out.metadata.shared)
     _compile(moe._combine_kernel, {"y_ptr": f"*{dtype}", "pos_ptr": "*i64", "w_ptr": "*fp32", "out_ptr": f"*{dtype}",
                                    "K_TOP": "i32", "D": "i32"}, dict(BD=moe.BD_COMBINE), num_warps=moe.WARPS)
 

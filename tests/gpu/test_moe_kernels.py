@@ -7,7 +7,8 @@ fp32 on the CPU (on the same bf16 inputs). Bounds: fp32 activations 1e-5 (IEEE d
 summation order differs); bf16 2e-2 (as `routed_experts` in bf16: the two GEMM outputs, the SwiGLU
 product and the result are each rounded to bf16, 2^-8 relative apiece). Shapes cover several row tiles
 per expert, empty experts, and D, I that are not multiples of the 128-wide reduction chunk or the
-64-wide column tile. Batch invariance: a token's row is bitwise the same alone and in a batch of 64.
+64-wide column tile. Batch invariance: a token's row is bitwise the same alone and in a batch of 64, and
+with every row tile.
 """
 
 from __future__ import annotations
@@ -72,6 +73,28 @@ def test_routed_experts_packed_batch_invariant(device):
     full = moe.routed_experts_packed(x, ids, weights, *w, LIMIT)
     one = moe.routed_experts_packed(x[5:6].clone(), ids[5:6].clone(), weights[5:6].clone(), *w, LIMIT)
     assert torch.equal(full[5:6], one)
+
+
+def test_routed_experts_packed_row_tiles_bitwise(device):
+    """Every row tile `row_tile` may pick (the MMA's N dimension) gives bitwise the same rows on one batch: what lets
+    the tile follow the batch in batch-invariant mode."""
+    from kernels_nvidia import moe
+    dtype = torch.float32 if _small(device) else torch.bfloat16
+    _seed()
+    E, D, inter, T = (4, 128, 64, 24) if _small(device) else (16, 5120, 2304, 96)
+    w = _experts(device, E, D, inter)
+    ids, weights = _routing(device, T, E, 3)
+    x = torch.randn(T, D, device=device).to(dtype)
+    tiles = sorted({bm for _, bm in moe.ROW_TILES} | {moe.BM_LARGE})
+    outs = []
+    try:
+        for bm in tiles:
+            moe.BM = bm
+            outs.append(moe.routed_experts_packed(x, ids, weights, *w, LIMIT))
+    finally:
+        moe.BM = None
+    for bm, out in zip(tiles, outs):
+        assert torch.equal(out, outs[0]), f"row tile {bm}: {(out != outs[0]).any(dim=1).sum().item()} rows differ"
 
 
 def test_routed_experts_packed_dispatch(device):
