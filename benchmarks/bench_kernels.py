@@ -1,7 +1,7 @@
 """Microbenchmarks of kernels_nvidia against the H200 ceilings measured in the same run.
 
     python3 benchmarks/bench_kernels.py [--json OUT.json] [--quick]
-        [--only-fp8-linears | --moe-only | --topk-only | --router-only | --gemm-threshold]
+        [--only-fp8-linears | --moe-only | --topk-only | --router-only | --gemm-threshold | --fp8-split]
 
 Ceilings first: a large device-to-device copy (bytes read + written) and an 8192^3 bf16 GEMM on random
 data. Then each kernel at V4.1-Flash full-width shapes (H=64, d=512, index heads 64 x 128, hc=4,
@@ -130,6 +130,31 @@ def bench_fp8_linears(copy_gbs, gemm_tf, quick, block=(32, 32)):
     kgemm.TILE_M, kgemm.TILE_N, kgemm.WARPS, kgemm.STAGES = default
 
 
+def bench_fp8_split(copy_gbs, gemm_tf, block=(32, 32)):
+    """The direct FP8 kernel as batch-invariant mode runs it (every linear, every M) at decode sizes, per
+    `gemm.SPLIT_FILL` (K splits up to that many programs per SM; the rows of one fill are bitwise the same for
+    M = 1 and 64, checked here): the invariant b1 decode step spent 1.74 of 5.41 ms in it (H100, protocol model,
+    benchmarks/results/gpu-1207e/invariant_profile_b1.out) at ~0.8 TB/s."""
+    keep = kgemm.SPLIT_FILL, kgemm.BATCH_INVARIANT
+    kgemm.BATCH_INVARIANT = True
+    for name, (n, k, groups) in FP8_LINEARS.items():
+        w, s = _fp8_block_weight(n, k, block)
+        x64 = torch.randn(64, groups * k, device=DEV, dtype=BF)
+        for m in (1, 16, 64, 256):
+            x = torch.randn(m, groups * k, device=DEV, dtype=BF) if m != 64 else x64
+            nbytes, flops = w.numel() + s.numel() + x.numel() * 2 + m * n * 2, 2 * m * n * k
+            for fill in (1.0, 2.0, 4.0, 8.0):
+                kgemm.SPLIT_FILL = fill
+                split = kgemm.split_k(n, k, x.device)
+                ms = bench(lambda: kgemm.linear_fp8_block(x, w, s, block, groups))
+                same = "" if m != 1 else (" bitwise M1==M64" if torch.equal(
+                    kgemm.linear_fp8_block(x64[:1].clone(), w, s, block, groups),
+                    kgemm.linear_fp8_block(x64, w, s, block, groups)[:1]) else " ROWS DIFFER M1/M64")
+                record(f"{name} M={m} fill {fill:g} (split {split}){same}", ms, None, nbytes, flops, copy_gbs,
+                       gemm_tf)
+    kgemm.SPLIT_FILL, kgemm.BATCH_INVARIANT = keep
+
+
 def bench_gemm_threshold(copy_gbs, gemm_tf, block=(32, 32)):
     """The M where the FP8 block GEMM should leave the direct kernel for dequantise + cuBLAS (`gemm.DIRECT_MAX_M`),
     on the matrices the default path sends to it (split K: wq_a|wkv stacked, indexer wq_b; grouped wo_a)."""
@@ -148,9 +173,12 @@ def bench_gemm_threshold(copy_gbs, gemm_tf, block=(32, 32)):
     kgemm.DIRECT_MAX_M, kgemm.BATCH_INVARIANT = keep
 
 
-#: (BM, BN, BK, warps) swept per expert count, for the record
-MOE_TILES = {8: ((16, 64, 128, 4), (32, 64, 128, 4), (64, 128, 128, 8), (64, 64, 256, 4), (128, 64, 128, 8)),
-             384: ((64, 64, 128, 4), (32, 64, 128, 4), (16, 32, 128, 4), (16, 128, 128, 8))}
+#: (BM, BN, BK, warps, stages) swept per expert count, for the record; at 384 the decode candidates (a row's bits
+#: must not change: the sweep prints whether they do against the default tiles)
+MOE_TILES = {8: ((16, 64, 128, 4, 2), (32, 64, 128, 4, 2), (64, 128, 128, 8, 2), (64, 64, 256, 4, 2),
+                 (128, 64, 128, 8, 2)),
+             384: ((16, 64, 128, 4, 3), (16, 64, 128, 4, 4), (16, 64, 256, 4, 2), (16, 64, 256, 8, 3),
+                   (16, 64, 128, 8, 3), (16, 128, 128, 8, 3), (32, 64, 128, 4, 2))}
 
 
 def bench_moe(copy_gbs, gemm_tf, quick):
@@ -181,15 +209,18 @@ def bench_moe(copy_gbs, gemm_tf, quick):
             record(f"routed_experts_mxfp4 T={t} E={E} K={K}", ms_k, ms_r, nbytes, flops, copy_gbs, gemm_tf)
             if t not in sweep:
                 continue
-            keep = moe.BN, moe.BK, moe.WARPS
+            keep = moe.BN, moe.BK, moe.WARPS, moe.STAGES
+            base = moe.routed_experts_packed(x, ids, weights, *w, 10.0)
             for tiles in MOE_TILES[E]:
-                moe.BM, (moe.BN, moe.BK, moe.WARPS) = tiles[0], tiles[1:]
+                moe.BM, (moe.BN, moe.BK, moe.WARPS, moe.STAGES) = tiles[0], tiles[1:]
                 try:
                     ms_k = bench(lambda: moe.routed_experts_packed(x, ids, weights, *w, 10.0))
-                    record(f"  T={t} E={E} BM,BN,BK,warps={tiles}", ms_k, None, nbytes, flops, copy_gbs, gemm_tf)
+                    same = torch.equal(moe.routed_experts_packed(x, ids, weights, *w, 10.0), base)
+                    record(f"  T={t} E={E} BM,BN,BK,warps,stages={tiles}{'' if same else ' BITS DIFFER'}", ms_k,
+                           None, nbytes, flops, copy_gbs, gemm_tf)
                 except Exception as e:  # noqa: BLE001
                     print("  tiles", tiles, "failed:", type(e).__name__, str(e)[:200])
-            moe.BM, (moe.BN, moe.BK, moe.WARPS) = None, keep
+            moe.BM, (moe.BN, moe.BK, moe.WARPS, moe.STAGES) = None, keep
 
 
 def bench_topk(copy_gbs, gemm_tf):
@@ -263,6 +294,8 @@ def main():
     ap.add_argument("--only-fp8-linears", action="store_true", help="run the FP8 block GEMM section only")
     ap.add_argument("--moe-only", action="store_true", help="ceilings and the routed-experts rows only")
     ap.add_argument("--topk-only", action="store_true", help="ceilings and the decode top-k rows only")
+    ap.add_argument("--fp8-split", action="store_true",
+                    help="ceilings and the batch-invariant FP8 GEMM rows per gemm.SPLIT_FILL only")
     ap.add_argument("--gemm-threshold", action="store_true",
                     help="ceilings and the FP8 GEMM direct-vs-dequantise rows only (gemm.DIRECT_MAX_M)")
     ap.add_argument("--router-only", action="store_true",
@@ -277,6 +310,9 @@ def main():
     print(f"CEILINGS copy {copy_gbs:.0f} GB/s (read+write), bf16 GEMM 8192^3 {gemm_tf:.0f} TFLOP/s", flush=True)
     if args.topk_only:
         bench_topk(copy_gbs, gemm_tf)
+        return dump(args.json, copy_gbs, gemm_tf)
+    if args.fp8_split:
+        bench_fp8_split(copy_gbs, gemm_tf)
         return dump(args.json, copy_gbs, gemm_tf)
     if args.gemm_threshold:
         bench_gemm_threshold(copy_gbs, gemm_tf)

@@ -43,6 +43,10 @@ DIRECT_MAX_M = 256
 # 128 / BK scale blocks (V4.1: 4 of 32), one scale byte loaded per block and row.
 TILE_M, TILE_N, TILE_K, WARPS, STAGES = 64, 64, 128, 4, 4
 MIN_SPLIT_TILES = 4   # K tiles per split at least
+# Programs per SM the N tiles x K splits of a launch may reach (`split_k`): 1 fills half the SMs at most, one
+# program of 4 warps per busy SM. The decode A/B of larger values (`bench_kernels.py --fp8-split`: wo_b, shared
+# w1|w3 and wo_a run 72-128 programs at 1) has not run yet; `ops.marlin.faster_than_triton` keeps 1.
+SPLIT_FILL = 1.0
 SPLIT_ROWS = 1024     # rows per launch when K is split: bounds the fp32 partials (split * rows * N * 4 B)
 _SMS: dict[int, int] = {}  # CUDA device index -> SM count
 # Triton's interpreter multiplies bf16 tl.dot operands wrongly (triton 3.6); there the dequantised tiles go
@@ -149,13 +153,15 @@ def _sm_count(device: torch.device) -> int:
     return _SMS[i]
 
 
-def split_k(n: int, k: int, device: torch.device) -> int:
+def split_k(n: int, k: int, device: torch.device, fill: float | None = None) -> int:
     """K splits of an [N, K] matrix (N: every output column of the launch, all groups): doubled while the
-    N tiles x splits fill less than half of the SMs and every split keeps MIN_SPLIT_TILES K tiles (V4.1:
-    wq_a|wkv 4, wkv 8, indexer wq_b 2, the rest 1). Depends on the matrix and the GPU only (batch-invariant)."""
+    doubled N tiles x splits stay within `fill` (default SPLIT_FILL) programs per SM and every split keeps
+    MIN_SPLIT_TILES K tiles (V4.1 at fill 1: wq_a|wkv 4, wkv 8, indexer wq_b 2, the rest 1). Depends on the
+    matrix and the GPU only (batch-invariant)."""
     n_tiles, k_tiles, sms = triton.cdiv(n, TILE_N), triton.cdiv(k, TILE_K), _sm_count(device)
+    fill = SPLIT_FILL if fill is None else fill
     split = 1
-    while 2 * n_tiles * split <= sms and k_tiles >= 2 * split * MIN_SPLIT_TILES:
+    while 2 * n_tiles * split <= fill * sms and k_tiles >= 2 * split * MIN_SPLIT_TILES:
         split *= 2
     return split
 

@@ -52,7 +52,7 @@ ROW_TILES = ((8, 16), (32, 32), (48, 64))
 BM_LARGE = 128
 BM: int | None = None  # a fixed row tile instead (benchmark sweeps)
 BD_COMBINE = 512
-WARPS = 4
+WARPS, STAGES = 4, 2
 
 
 def row_tile(pairs: int, experts: int) -> int:
@@ -195,7 +195,7 @@ def routed_experts_packed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Ten
     order = order.to(torch.int32)
     n_tiles = min(T * K, T * K // bm + E)
     common = dict(E=E, E_POW2=triton.next_power_of_2(E), BM=bm, BN=BN, BK=BK, IEEE=x.dtype == torch.float32,
-                  num_warps=WARPS, num_stages=2)
+                  num_warps=WARPS, num_stages=STAGES)
     h = x.new_empty(T * K, I)
     _gate_up_kernel[(n_tiles, triton.cdiv(I, BN))](
         x, w13, w13_scale, h, order, ends, tile_ends, K, D, I, float(limit), x.stride(0),

@@ -215,7 +215,7 @@ def test_moe_kernels_compile(dtype):
     for bm in sorted({bm for _, bm in moe.ROW_TILES} | {moe.BM_LARGE}):
         for fn, sig in ((moe._gate_up_kernel, gate_up), (moe._down_kernel, down)):
             aligned = tuple(n for n in sig if n.endswith("_ptr") or n.startswith("stride") or n in ("D", "I"))
-            out = _compile(fn, sig, dict(cx, BM=bm), num_warps=moe.WARPS, aligned=aligned, num_stages=2)
+            out = _compile(fn, sig, dict(cx, BM=bm), num_warps=moe.WARPS, aligned=aligned, num_stages=moe.STAGES)
             assert out.metadata.shared <= SM90_SHARED_BYTES, (fn.__name__, bm, out.metadata.shared)
     _compile(moe._combine_kernel, {"y_ptr": f"*{dtype}", "pos_ptr": "*i64", "w_ptr": "*fp32", "out_ptr": f"*{dtype}",
                                    "K_TOP": "i32", "D": "i32"}, dict(BD=moe.BD_COMBINE), num_warps=moe.WARPS)

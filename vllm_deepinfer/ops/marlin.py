@@ -51,7 +51,7 @@ def faster_than_triton(n: int, k: int, device: torch.device) -> bool:
         return True
     from kernels_nvidia.gemm import split_k
 
-    return split_k(n, k, device) == 1
+    return split_k(n, k, device, fill=1.0) == 1
 
 
 class MarlinFP8(nn.Module):
