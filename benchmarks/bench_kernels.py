@@ -1,7 +1,7 @@
 """Microbenchmarks of kernels_nvidia against the H200 ceilings measured in the same run.
 
     python3 benchmarks/bench_kernels.py [--json OUT.json] [--quick]
-        [--only-fp8-linears | --moe-only | --topk-only | --router-only | --gemm-threshold | --fp8-split]
+        [--only-fp8-linears | --moe-only | --topk-only | --router-only | --gemm-threshold | --invariant-gemms]
 
 Ceilings first: a large device-to-device copy (bytes read + written) and an 8192^3 bf16 GEMM on random
 data. Then each kernel at V4.1-Flash full-width shapes (H=64, d=512, index heads 64 x 128, hc=4,
@@ -130,11 +130,12 @@ def bench_fp8_linears(copy_gbs, gemm_tf, quick, block=(32, 32)):
     kgemm.TILE_M, kgemm.TILE_N, kgemm.WARPS, kgemm.STAGES = default
 
 
-def bench_fp8_split(copy_gbs, gemm_tf, block=(32, 32)):
-    """The direct FP8 kernel as batch-invariant mode runs it (every linear, every M) at decode sizes, per
+def bench_invariant_gemms(copy_gbs, gemm_tf, block=(32, 32)):
+    """The GEMMs of batch-invariant mode at decode sizes. The direct FP8 kernel (every linear, every M) per
     `gemm.SPLIT_FILL` (K splits up to that many programs per SM; the rows of one fill are bitwise the same for
     M = 1 and 64, checked here): the invariant b1 decode step spent 1.74 of 5.41 ms in it (H100, protocol model,
-    benchmarks/results/gpu-1207e/invariant_profile_b1.out) at ~0.8 TB/s."""
+    benchmarks/results/gpu-1207e/invariant_profile_b1.out) at ~0.8 TB/s. Then the fixed-tile fp32-output GEMM
+    (router, compressor) against cuBLAS's fp32 epilogue (the default path's)."""
     keep = kgemm.SPLIT_FILL, kgemm.BATCH_INVARIANT
     kgemm.BATCH_INVARIANT = True
     for name, (n, k, groups) in FP8_LINEARS.items():
@@ -152,6 +153,17 @@ def bench_fp8_split(copy_gbs, gemm_tf, block=(32, 32)):
                     kgemm.linear_fp8_block(x64, w, s, block, groups)[:1]) else " ROWS DIFFER M1/M64")
                 record(f"{name} M={m} fill {fill:g} (split {split}){same}", ms, None, nbytes, flops, copy_gbs,
                        gemm_tf)
+    # the fixed-tile bf16 GEMM with fp32 output (router logits; compressor projections) against cuBLAS's epilogue
+    for name, (n, k) in {"router": (384, 5120), "compressor 1024": (1024, 5120)}.items():
+        w = (torch.randn(n, k, device=DEV) / 70).to(BF)
+        for m in (1, 16, 64, 256):
+            x = torch.randn(m, k, device=DEV, dtype=BF)
+            kgemm.BATCH_INVARIANT = False
+            ms_c = bench(lambda: kgemm.linear_fp32_out(x, w))
+            kgemm.BATCH_INVARIANT = True
+            ms_k = bench(lambda: kgemm.linear_fp32_out(x, w))
+            record(f"fp32_out {name} M={m} (ref: cuBLAS)", ms_k, ms_c, 2 * (n * k + m * k) + 4 * m * n, 2 * m * n * k,
+                   copy_gbs, gemm_tf)
     kgemm.SPLIT_FILL, kgemm.BATCH_INVARIANT = keep
 
 
@@ -294,8 +306,8 @@ def main():
     ap.add_argument("--only-fp8-linears", action="store_true", help="run the FP8 block GEMM section only")
     ap.add_argument("--moe-only", action="store_true", help="ceilings and the routed-experts rows only")
     ap.add_argument("--topk-only", action="store_true", help="ceilings and the decode top-k rows only")
-    ap.add_argument("--fp8-split", action="store_true",
-                    help="ceilings and the batch-invariant FP8 GEMM rows per gemm.SPLIT_FILL only")
+    ap.add_argument("--invariant-gemms", action="store_true",
+                    help="ceilings and the batch-invariant GEMM rows only (FP8 per gemm.SPLIT_FILL; fp32 output)")
     ap.add_argument("--gemm-threshold", action="store_true",
                     help="ceilings and the FP8 GEMM direct-vs-dequantise rows only (gemm.DIRECT_MAX_M)")
     ap.add_argument("--router-only", action="store_true",
@@ -311,8 +323,8 @@ def main():
     if args.topk_only:
         bench_topk(copy_gbs, gemm_tf)
         return dump(args.json, copy_gbs, gemm_tf)
-    if args.fp8_split:
-        bench_fp8_split(copy_gbs, gemm_tf)
+    if args.invariant_gemms:
+        bench_invariant_gemms(copy_gbs, gemm_tf)
         return dump(args.json, copy_gbs, gemm_tf)
     if args.gemm_threshold:
         bench_gemm_threshold(copy_gbs, gemm_tf)

@@ -42,9 +42,10 @@ DIRECT_MAX_M = 256
 # Fixed tiles of the direct kernel (never chosen from M): tokens x output features x K; a K tile spans
 # 128 / BK scale blocks (V4.1: 4 of 32), one scale byte loaded per block and row.
 TILE_M, TILE_N, TILE_K, WARPS, STAGES = 64, 64, 128, 4, 4
+FP32_OUT_TILE_K = 64  # K chunk of the batch-invariant bf16 GEMM with fp32 output (bf16 operand tiles)
 MIN_SPLIT_TILES = 4   # K tiles per split at least
 # Programs per SM the N tiles x K splits of a launch may reach (`split_k`): 1 fills half the SMs at most, one
-# program of 4 warps per busy SM. The decode A/B of larger values (`bench_kernels.py --fp8-split`: wo_b, shared
+# program of 4 warps per busy SM. The decode A/B of larger values (`bench_kernels.py --invariant-gemms`: wo_b, shared
 # w1|w3 and wo_a run 72-128 programs at 1) has not run yet; `ops.marlin.faster_than_triton` keeps 1.
 SPLIT_FILL = 1.0
 SPLIT_ROWS = 1024     # rows per launch when K is split: bounds the fp32 partials (split * rows * N * 4 B)
@@ -113,6 +114,30 @@ def _sum_splits_kernel(P, Y, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
     for s in range(1, SPLIT):
         acc += tl.load(P + s * MN + offs, mask=mask, other=0.0)
     tl.store(Y + offs, acc.to(tl.bfloat16), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemm_fp32_out_kernel(X, W, Y, M, N, K, sx_m, sw_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+    """Y[m, n] = sum_k X[m, k] * W[n, k] in fp32 (bf16 / fp16 operands: exact products), K in BLOCK_K chunks in
+    order; Y fp32 [M, N] contiguous."""
+    pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mmask, nmask = offs_m < M, offs_n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        kmask = offs_k < K
+        x = tl.load(X + offs_m[:, None].to(tl.int64) * sx_m + offs_k[None, :], mask=mmask[:, None] & kmask[None, :],
+                    other=0.0)
+        w = tl.load(W + offs_n[:, None].to(tl.int64) * sw_n + offs_k[None, :], mask=nmask[:, None] & kmask[None, :],
+                    other=0.0)
+        if DOT_F32:
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w))
+    tl.store(Y + offs_m[:, None].to(tl.int64) * N + offs_n[None, :], acc, mask=mmask[:, None] & nmask[None, :])
 
 
 @triton.jit
@@ -214,9 +239,20 @@ def linear_fp32_out(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T -> fp32 [M, N] for bf16/fp16 operands: one tensor-core GEMM with an fp32
     epilogue (torch.mm out_dtype, cuBLAS; what vLLM's in-tree V4.1 runs for its router and compressor
     projections) instead of an fp32 SGEMM on casted copies. cuBLAS picks its algorithm from M, so
-    batch-invariant mode keeps the reference."""
-    if BATCH_INVARIANT or x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype or x.dim() != 2:
+    batch-invariant mode runs `_gemm_fp32_out_kernel` instead: fixed tiles, no split, so a row's result does not
+    depend on M (before: vLLM's persistent GEMM on fp32 copies of both operands, the weight cast every call)."""
+    if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype or x.dim() != 2:
         raise NotImplementedError("fp32-output GEMM takes 2-D bf16/fp16 operands of one dtype")
+    if BATCH_INVARIANT:
+        m, k = x.shape
+        n = w.shape[0]
+        x, w = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, w))
+        y = torch.empty(m, n, dtype=torch.float32, device=x.device)
+        if m:
+            _gemm_fp32_out_kernel[(triton.cdiv(n, TILE_N), triton.cdiv(m, TILE_M))](
+                x, w, y, m, n, k, x.stride(0), w.stride(0), BLOCK_M=TILE_M, BLOCK_N=TILE_N, BLOCK_K=FP32_OUT_TILE_K,
+                DOT_F32=_DOT_F32, num_warps=WARPS, num_stages=STAGES)
+        return y
     try:
         return torch.mm(x, w.t(), out_dtype=torch.float32)
     except TypeError as e:  # torch without the out_dtype epilogue

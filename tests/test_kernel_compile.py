@@ -238,3 +238,15 @@ def test_fp8_gemm_kernels_compile(block):
         assert out.metadata.shared <= SM90_SHARED_BYTES, (partial, out.metadata.shared)
     _compile(gemm._dequant_kernel, {"W": "*fp8e4nv", "S": "*u8", "OUT": "*bf16", "N": "i32", "K": "i32", "s_sn": "i32"},
              dict(BN=block, BK=block, BLOCK_N=32, BLOCK_K=128))
+
+
+def test_fp32_out_gemm_kernel_compile():
+    """Batch-invariant mode's bf16 GEMM with fp32 output (router, compressor) with the wrapper's tiles and stages,
+    within SM90's shared memory."""
+    from kernels_nvidia import gemm
+
+    sig = {"X": "*bf16", "W": "*bf16", "Y": "*fp32", "M": "i32", "N": "i32", "K": "i32", "sx_m": "i32", "sw_n": "i32"}
+    out = _compile(gemm._gemm_fp32_out_kernel, sig,
+                   dict(BLOCK_M=gemm.TILE_M, BLOCK_N=gemm.TILE_N, BLOCK_K=gemm.FP32_OUT_TILE_K, DOT_F32=False),
+                   num_warps=gemm.WARPS, aligned=("X", "W", "Y", "N", "K", "sx_m", "sw_n"), num_stages=gemm.STAGES)
+    assert out.metadata.shared <= SM90_SHARED_BYTES, out.metadata.shared

@@ -136,6 +136,26 @@ def test_dispatch_uses_gemm_kernel(device):
     assert _rel(ops.linear_fp8_block(x, w, s, (128, 128)), _oracle(x, w, s, 128)) < BOUND
 
 
+def test_linear_fp32_out_batch_invariant(device, monkeypatch):
+    """Batch-invariant mode's fp32-output GEMM (fixed tiles): against the fp32 product of the same values, and
+    row i bitwise the same for M = 1, 37 and 130 (three M tiles)."""
+    from kernels_nvidia import gemm
+    monkeypatch.setattr(gemm, "BATCH_INVARIANT", True)
+    _seed()
+    small = device == "cpu"
+    k, n = (160, 72) if small else (5120, 384)
+    x = torch.randn(130, k, device=device).to(torch.bfloat16)
+    w = (torch.randn(n, k, device=device) / 70).to(torch.bfloat16)
+    y = gemm.linear_fp32_out(x, w)
+    assert y.dtype == torch.float32 and y.shape == (130, n)
+    err = _rel(y, ref.linear_fp32_out(x.cpu(), w.cpu()))
+    print(f"linear_fp32_out (batch-invariant kernel): rel err {err:.2e}")
+    assert err < 1e-5
+    assert torch.equal(gemm.linear_fp32_out(x[:37].clone(), w), y[:37])
+    for i in (0, 36, 129):
+        assert torch.equal(gemm.linear_fp32_out(x[i:i + 1].clone(), w), y[i:i + 1])
+
+
 def test_linear_fp32_out(device):
     """bf16 x bf16 -> fp32 epilogue GEMM (router logits, compressor projections) against the fp32 product of
     the same values: only the fp32 summation order differs."""

@@ -241,7 +241,8 @@ def configure_invariant(vllm_config=None) -> bool:
 
     On CUDA it also selects the fixed-tile variants of `kernels_nvidia` (the module flags that
     `KERNELS_NVIDIA_BATCH_INVARIANT=1` sets): the FP8 block GEMM keeps its direct kernel for every M
-    (no dequant + cuBLAS above `DIRECT_MAX_M`), sparse attention always takes the gather form and
+    (no dequant + cuBLAS above `DIRECT_MAX_M`), the fp32-output GEMM (router, compressor) runs a fixed-tile
+    kernel instead of cuBLAS, sparse attention always takes the gather form and
     never splits a token's key reduction, the mHC coefficients keep their decode tiles for every T.
     """
     on = invariant_requested(vllm_config)
