@@ -21,6 +21,13 @@ from vllm_deepinfer.ops import reference as ref  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 BOUND = 4e-3
+# Triton's interpreter (triton 3.6) casts fp32 to bf16 by truncation, not round-to-nearest: up to one bf16 ulp
+# (2^-7 relative) per output instead of half of one, which a 100-column output can show (seed 1426561962: 4.4e-3)
+BOUND_INTERP = 8e-3
+
+
+def _bound(device: str) -> float:
+    return BOUND_INTERP if device == "cpu" else BOUND
 
 
 def _weights(n: int, k: int, block: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,7 +64,7 @@ def test_linear_fp8_block(device, block, n, k):
         err = _rel(y, _oracle(x, w, s, block))
         print(f"fp8 block GEMM block={block} M={m} N={n} K={k} split={gemm.split_k(n, k, w.device)}: "
               f"rel err {err:.2e}")
-        assert err < BOUND
+        assert err < _bound(device)
 
 
 @pytest.mark.parametrize("direct,k", [(True, 96), (True, 1024), (False, 96)])
@@ -72,7 +79,7 @@ def test_linear_fp8_block_grouped(device, direct, k, monkeypatch):
     x = torch.randn(9, groups * k, device=device).to(torch.bfloat16)
     err = _rel(_run(x, w, s, block, groups), _oracle(x, w, s, block, groups))
     print(f"grouped fp8 block GEMM direct={direct}: rel err {err:.2e}")
-    assert err < BOUND
+    assert err < _bound(device)
 
 
 def test_linear_fp8_block_dequant_path(device, monkeypatch):
@@ -84,7 +91,7 @@ def test_linear_fp8_block_dequant_path(device, monkeypatch):
     x = torch.randn(9, 96, device=device).to(torch.bfloat16)
     err = _rel(_run(x, w, s, 32), _oracle(x, w, s, 32))
     print(f"fp8 block dequant + matmul: rel err {err:.2e}")
-    assert err < BOUND
+    assert err < _bound(device)
     assert torch.equal(gemm.dequant_to_bf16(w, s, (32, 32)).cpu(),
                        ref.linear_fp8_block(torch.eye(96, dtype=torch.bfloat16), w.cpu(), s.cpu(), (32, 32)).t())
 
@@ -121,7 +128,7 @@ def test_linear_fp8_block_cuda_graph(device):
         y = _run(x, w, s, 32)
     x.copy_(torch.randn_like(x))
     g.replay()
-    assert _rel(y, _oracle(x, w, s, 32)) < BOUND
+    assert _rel(y, _oracle(x, w, s, 32)) < _bound(device)
 
 
 def test_dispatch_uses_gemm_kernel(device):
@@ -133,7 +140,7 @@ def test_dispatch_uses_gemm_kernel(device):
     w, s = _weights(256, 512, 128, device)
     x = torch.randn(3, 512, device=device).to(torch.bfloat16)
     assert ops.backend_for(x) == "kernels_nvidia"
-    assert _rel(ops.linear_fp8_block(x, w, s, (128, 128)), _oracle(x, w, s, 128)) < BOUND
+    assert _rel(ops.linear_fp8_block(x, w, s, (128, 128)), _oracle(x, w, s, 128)) < _bound(device)
 
 
 def test_linear_fp32_out_batch_invariant(device, monkeypatch):
