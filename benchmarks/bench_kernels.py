@@ -219,6 +219,11 @@ def bench_moe(copy_gbs, gemm_tf, quick):
             ms_r = bench(lambda: ref.routed_experts(x, ids, weights, w13, w2, 10.0)) if E == E8 else None
             ms_k = bench(lambda: moe.routed_experts_packed(x, ids, weights, *w, 10.0))
             record(f"routed_experts_mxfp4 T={t} E={E} K={K}", ms_k, ms_r, nbytes, flops, copy_gbs, gemm_tf)
+            if t * K <= moe.PAIRS_KERNEL_MAX:  # the routing glue's torch path instead of its one-program kernel
+                keep, moe.PAIRS_KERNEL_MAX = moe.PAIRS_KERNEL_MAX, -1
+                ms_g = bench(lambda: moe.routed_experts_packed(x, ids, weights, *w, 10.0))
+                moe.PAIRS_KERNEL_MAX = keep
+                record(f"  T={t} E={E} glue: kernel (ref: torch ops)", ms_k, ms_g, nbytes, flops, copy_gbs, gemm_tf)
             if t not in sweep:
                 continue
             keep = moe.BN, moe.BK, moe.WARPS, moe.STAGES

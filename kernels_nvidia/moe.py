@@ -8,7 +8,8 @@ the stored MXFP4 codes (model-spec §4.3), never dequantised to memory:
     W[n, k] = e2m1(nibble(w[n, k // 2], k % 2)) * 2**(scale[n, k // 32] - 127), even k = low nibble
 
 Steps (no host sync, shapes fixed by T and K only, so CUDA-graph capturable):
-  1. torch: the T*K (token, expert) pairs, each token's experts ascending, stably sorted by expert;
+  1. the T*K (token, expert) pairs, each token's experts ascending, stably sorted by expert (up to
+     PAIRS_KERNEL_MAX pairs one program, `_pairs_kernel`; above, ~14 torch ops giving the same permutation);
      ends[e] = #pairs with expert <= e; per-expert tiles of BM rows (`row_tile`: 16 at decode, up to 128 when
      each expert has many pairs), tile_ends[e] = #tiles of experts <= e.
      The grid holds min(T*K, T*K // BM + E) row tiles, an upper bound of sum_e ceil(n_e / BM);
@@ -52,6 +53,7 @@ ROW_TILES = ((8, 16), (32, 32), (48, 64))
 BM_LARGE = 128
 BM: int | None = None  # a fixed row tile instead (benchmark sweeps)
 BD_COMBINE = 512
+PAIRS_KERNEL_MAX = 512  # pairs whose routing glue is one program (decode: T 1-85 at top-6)
 WARPS, STAGES = 4, 2
 
 
@@ -60,6 +62,48 @@ def row_tile(pairs: int, experts: int) -> int:
     if BM is not None:
         return BM
     return next((bm for below, bm in ROW_TILES if pairs < below * experts), BM_LARGE)
+
+
+@triton.jit
+def _pairs_kernel(ids_ptr, w_ptr, ws_ptr, e_ptr, order_ptr, ends_ptr, tile_ends_ptr, pos_ptr, P, E, bm,
+                  K: tl.constexpr, K_POW2: tl.constexpr, P_POW2: tl.constexpr, E_POW2: tl.constexpr,
+                  CHUNK: tl.constexpr):
+    """One program: the routing glue of `routed_experts_packed` for P = T*K pairs, as its torch path computes it.
+
+    Pair q = t*K + r is token t's r-th expert in ascending order (stable), e[q] that expert (scratch), ws[q] its
+    weight; pos[q] its row when the pairs are stably sorted by expert, order[pos[q]] = q; ends[e] = #pairs with
+    expert <= e; tile_ends[e] = #row tiles of bm rows of experts <= e."""
+    q = tl.arange(0, P_POW2)
+    ok = q < P
+    t, r = q // K, q % K
+    j = tl.arange(0, K_POW2)
+    row_ok = ok[:, None] & (j < K)[None, :]
+    e_tok = tl.load(ids_ptr + t[:, None] * K + j[None, :], mask=row_ok, other=E).to(tl.int32)  # token t's experts
+    w_tok = tl.load(w_ptr + t[:, None] * K + j[None, :], mask=row_ok, other=0.0)
+    rank = tl.zeros([P_POW2, K_POW2], tl.int32)  # of each of them among the K: smaller, or equal and listed first
+    for i in tl.static_range(K):
+        e_i = tl.load(ids_ptr + t * K + i, mask=ok, other=E).to(tl.int32)
+        rank += ((e_i[:, None] < e_tok) | ((e_i[:, None] == e_tok) & (i < j)[None, :])).to(tl.int32)
+    pick = row_ok & (rank == r[:, None])
+    e = tl.where(ok, tl.sum(tl.where(pick, e_tok, 0), axis=1), E)
+    tl.store(e_ptr + q, e, mask=ok)
+    tl.store(ws_ptr + q, tl.sum(tl.where(pick, w_tok, 0.0), axis=1).to(ws_ptr.dtype.element_ty), mask=ok)
+    tl.debug_barrier()
+    es = tl.arange(0, E_POW2)
+    within = tl.zeros([P_POW2], tl.int32)  # pairs before q with q's expert
+    count = tl.zeros([E_POW2], tl.int32)   # pairs per expert
+    for c0 in range(0, P, CHUNK):
+        qc = c0 + tl.arange(0, CHUNK)
+        e_c = tl.load(e_ptr + qc, mask=qc < P, other=E)
+        within += tl.sum(((e_c[None, :] == e[:, None]) & (qc[None, :] < q[:, None])).to(tl.int32), axis=1)
+        count += tl.sum((e_c[None, :] == es[:, None]).to(tl.int32), axis=1)
+    ends = tl.cumsum(count, axis=0)
+    tl.store(ends_ptr + es, ends, mask=es < E)
+    tl.store(tile_ends_ptr + es, tl.cumsum((count + bm - 1) // bm, axis=0), mask=es < E)
+    tl.debug_barrier()
+    row = tl.load(ends_ptr + e - 1, mask=ok & (e > 0), other=0) + within  # pairs of smaller experts first
+    tl.store(pos_ptr + q, row.to(tl.int64), mask=ok)
+    tl.store(order_ptr + row, q, mask=ok)
 
 
 @triton.jit
@@ -170,6 +214,33 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, K_TOP, D, BD: tl.constexpr):
     tl.store(out_ptr + t.to(tl.int64) * D + d, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+def _pairs(ids: torch.Tensor, weights: torch.Tensor, E: int, bm: int):
+    """ids, weights [T, K] -> each token's weights in ascending expert order [T, K]; order int32 [T*K] (pairs
+    stably sorted by expert; pair t*K+r = token t's r-th smallest expert); ends, tile_ends int32 [E]; pos int64
+    [T*K] (pair -> sorted row). One kernel up to PAIRS_KERNEL_MAX pairs, torch above (same permutation)."""
+    T, K = ids.shape
+    P, dev = T * K, ids.device
+    if P <= PAIRS_KERNEL_MAX:
+        ids, weights = ids.contiguous(), weights.contiguous()
+        ws = torch.empty_like(weights)
+        e, order = (torch.empty(P, dtype=torch.int32, device=dev) for _ in range(2))
+        ends, tile_ends = (torch.empty(E, dtype=torch.int32, device=dev) for _ in range(2))
+        pos = torch.empty(P, dtype=torch.int64, device=dev)
+        _pairs_kernel[(1,)](ids, weights, ws, e, order, ends, tile_ends, pos, P, E, bm, K=K,
+                            K_POW2=triton.next_power_of_2(K), P_POW2=max(16, triton.next_power_of_2(P)),
+                            E_POW2=triton.next_power_of_2(E), CHUNK=16, num_warps=WARPS)
+        return ws, order, ends, tile_ends, pos
+    ids, slot = ids.sort(dim=1, stable=True)  # each token's experts ascending: the order of the sum
+    weights = weights.gather(1, slot).contiguous()
+    flat = ids.reshape(-1)
+    order = torch.sort(flat, stable=True).indices  # [T*K] pair t*K+k, grouped by expert
+    ends = torch.searchsorted(flat[order], torch.arange(1, E + 1, device=dev), out_int32=True)
+    tiles = torch.diff(ends, prepend=ends.new_zeros(1)).add_(bm - 1).div_(bm, rounding_mode="floor")
+    tile_ends = tiles.cumsum(0, dtype=torch.int32)
+    pos = torch.empty_like(order).scatter_(0, order, torch.arange(P, device=dev))  # pair -> sorted row
+    return weights, order.to(torch.int32), ends, tile_ends, pos
+
+
 def routed_experts_packed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
                           w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, limit: float,
                           fmt: str = "mxfp4") -> torch.Tensor:
@@ -183,16 +254,8 @@ def routed_experts_packed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Ten
         return x.new_empty(0, D)
     x = x.contiguous()
     w13, w13_scale, w2, w2_scale = (t.view(torch.uint8) for t in (w13, w13_scale, w2, w2_scale))
-    ids, slot = ids.sort(dim=1, stable=True)  # each token's experts ascending: the order of the sum
-    weights = weights.gather(1, slot).contiguous()
-    flat = ids.reshape(-1)
-    order = torch.sort(flat, stable=True).indices  # [T*K] pair t*K+k, grouped by expert
-    ends = torch.searchsorted(flat[order], torch.arange(1, E + 1, device=x.device), out_int32=True)
     bm = row_tile(T * K, E)
-    tiles = torch.diff(ends, prepend=ends.new_zeros(1)).add_(bm - 1).div_(bm, rounding_mode="floor")
-    tile_ends = tiles.cumsum(0, dtype=torch.int32)
-    pos = torch.empty_like(order).scatter_(0, order, torch.arange(T * K, device=x.device))  # pair -> sorted row
-    order = order.to(torch.int32)
+    weights, order, ends, tile_ends, pos = _pairs(ids, weights, E, bm)
     n_tiles = min(T * K, T * K // bm + E)
     common = dict(E=E, E_POW2=triton.next_power_of_2(E), BM=bm, BN=BN, BK=BK, IEEE=x.dtype == torch.float32,
                   num_warps=WARPS, num_stages=STAGES)

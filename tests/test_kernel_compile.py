@@ -219,6 +219,9 @@ def test_moe_kernels_compile(dtype):
             assert out.metadata.shared <= SM90_SHARED_BYTES, (fn.__name__, bm, out.metadata.shared)
     _compile(moe._combine_kernel, {"y_ptr": f"*{dtype}", "pos_ptr": "*i64", "w_ptr": "*fp32", "out_ptr": f"*{dtype}",
                                    "K_TOP": "i32", "D": "i32"}, dict(BD=moe.BD_COMBINE), num_warps=moe.WARPS)
+    pairs = {"ids_ptr": "*i32", "w_ptr": "*fp32", "ws_ptr": "*fp32", "e_ptr": "*i32", "order_ptr": "*i32",
+             "ends_ptr": "*i32", "tile_ends_ptr": "*i32", "pos_ptr": "*i64", "P": "i32", "E": "i32", "bm": "i32"}
+    _compile(moe._pairs_kernel, pairs, dict(K=6, K_POW2=8, P_POW2=512, E_POW2=512, CHUNK=16), num_warps=moe.WARPS)
 
 
 @pytest.mark.parametrize("block", [32, 128])

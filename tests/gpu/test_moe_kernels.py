@@ -97,6 +97,27 @@ def test_routed_experts_packed_row_tiles_bitwise(device):
         assert torch.equal(out, outs[0]), f"row tile {bm}: {(out != outs[0]).any(dim=1).sum().item()} rows differ"
 
 
+@pytest.mark.parametrize("E,K", [(384, 6), (8, 3)])
+def test_pairs_kernel_matches_torch(device, E, K):
+    """The one-program routing glue (`_pairs_kernel`) gives the torch path's outputs exactly: T 1-85 (85 x 6 = 510
+    pairs, the kernel's limit being 512), int32 and int64 ids, and repeated experts within a token (stable)."""
+    from kernels_nvidia import moe
+    _seed()
+    for T, dup in ((1, False), (7, True), (64, False), (85, True), (85, False)):
+        ids = torch.randint(0, E, (T, K)) if dup else torch.rand(T, E).argsort(dim=1)[:, :K]
+        ids = ids.to(torch.int32 if T % 2 else torch.int64).to(device)
+        w = torch.rand(T, K, device=device)
+        bm = moe.row_tile(T * K, E)
+        got = moe._pairs(ids, w, E, bm)
+        keep, moe.PAIRS_KERNEL_MAX = moe.PAIRS_KERNEL_MAX, -1
+        try:
+            want = moe._pairs(ids, w, E, bm)
+        finally:
+            moe.PAIRS_KERNEL_MAX = keep
+        for name, g, h in zip(("weights", "order", "ends", "tile_ends", "pos"), got, want):
+            assert g.dtype == h.dtype and torch.equal(g, h), (T, dup, name)
+
+
 def test_routed_experts_packed_dispatch(device):
     """vllm_deepinfer.ops routes CUDA tensors to the kernel; a format it lacks falls back to the oracle's error."""
     if device != "cuda":
