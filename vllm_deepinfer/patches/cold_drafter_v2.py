@@ -17,7 +17,8 @@ head, i.e. adaptive verification on, and no data parallelism: `proposer.cold_dra
   count, `draft_graphs.ContextWriteGraphs`), publishes confidence 0 for every draft and returns the last block's
   drafts, which are never verified;
 * `AdaptiveVerificationManager.get_num_tokens`: when the drafts to verify come from a skipped proposal, the
-  budget is 0 (they are the stale drafts of an earlier block); otherwise vLLM's budget, read from the estimates
+  budget is 0 (they are the stale drafts of an earlier block) without vLLM's budget arithmetic; otherwise vLLM's
+  budget, read from the estimates
   of the proposal before last (`record_confidences` double-buffers them), is that proposal's outcome for the
   rule: it paid when the budget exceeds the slots the step's padded CUDA graph computes anyway;
 * `AdaptiveVerificationManager.add_request`: a new request brings the next probe forward.
@@ -112,13 +113,17 @@ def apply() -> None:
 
     @functools.wraps(get_num_tokens)
     def budgeted(self, num_tokens_per_req, draft_tokens):
+        if _STATE is not None and _STATE.last == ColdDrafter.SKIP:
+            # stale drafts of an earlier block: verify none (vLLM's budget arithmetic over the stale confidences,
+            # numpy on the host every step, is not needed: its stash with a budget of 0)
+            drafts = {req_id: len(draft_tokens.get(req_id, ())) for req_id in num_tokens_per_req}
+            non_draft = {req_id: n - drafts[req_id] for req_id, n in num_tokens_per_req.items()}
+            self._batch_budget = (drafts, non_draft, 0)
+            return sum(non_draft.values())
         n = get_num_tokens(self, num_tokens_per_req, draft_tokens)
         if _STATE is None or _STATE.last is None:
             return n
         drafts, non_draft, budget = self._batch_budget
-        if _STATE.last == ColdDrafter.SKIP:  # stale drafts of an earlier block: verify none
-            self._batch_budget = (drafts, non_draft, 0)
-            return n - budget
         _STATE.verified += budget
         if _STATE.judged in (ColdDrafter.RUN, ColdDrafter.PROBE):  # once per proposal
             _STATE.rule.paid(_STATE.judged, budget > free_slots(self.cost_tables[1], sum(non_draft.values())))
