@@ -132,11 +132,11 @@ def bench_fp8_linears(copy_gbs, gemm_tf, quick, block=(32, 32)):
 
 def bench_invariant_gemms(copy_gbs, gemm_tf, block=(32, 32)):
     """The GEMMs of batch-invariant mode at decode sizes. The direct FP8 kernel (every linear, every M) per
-    `gemm.SPLIT_FILL` (K splits up to that many programs per SM; the rows of one fill are bitwise the same for
-    M = 1 and 64, checked here): the invariant b1 decode step spent 1.74 of 5.41 ms in it (H100, protocol model,
-    benchmarks/results/gpu-1207e/invariant_profile_b1.out) at ~0.8 TB/s. Then the fixed-tile fp32-output GEMM
-    (router, compressor) against cuBLAS's fp32 epilogue (the default path's)."""
-    keep = kgemm.SPLIT_FILL, kgemm.BATCH_INVARIANT
+    `gemm.SPLIT_FILL` (K splits up to that many programs per SM) and operand order (`gemm.SWAP_AB`); a setting's
+    rows must be bitwise the same for M = 1 and 64 (checked here). The invariant b1 decode step spent 1.74 of
+    5.41 ms in it (H100, protocol model, benchmarks/results/gpu-1207e/invariant_profile_b1.out), ~0.8 TB/s.
+    Then the fixed-tile fp32-output GEMM (router, compressor) against cuBLAS's fp32 epilogue (the default's)."""
+    keep = kgemm.SPLIT_FILL, kgemm.SWAP_AB, kgemm.BATCH_INVARIANT
     kgemm.BATCH_INVARIANT = True
     for name, (n, k, groups) in FP8_LINEARS.items():
         w, s = _fp8_block_weight(n, k, block)
@@ -144,15 +144,15 @@ def bench_invariant_gemms(copy_gbs, gemm_tf, block=(32, 32)):
         for m in (1, 16, 64, 256):
             x = torch.randn(m, groups * k, device=DEV, dtype=BF) if m != 64 else x64
             nbytes, flops = w.numel() + s.numel() + x.numel() * 2 + m * n * 2, 2 * m * n * k
-            for fill in (1.0, 2.0, 4.0, 8.0):
-                kgemm.SPLIT_FILL = fill
+            for fill, swap in ((1.0, False), (2.0, False), (4.0, False), (8.0, False), (1.0, True), (4.0, True)):
+                kgemm.SPLIT_FILL, kgemm.SWAP_AB = fill, swap
                 split = kgemm.split_k(n, k, x.device)
                 ms = bench(lambda: kgemm.linear_fp8_block(x, w, s, block, groups))
                 same = "" if m != 1 else (" bitwise M1==M64" if torch.equal(
                     kgemm.linear_fp8_block(x64[:1].clone(), w, s, block, groups),
                     kgemm.linear_fp8_block(x64, w, s, block, groups)[:1]) else " ROWS DIFFER M1/M64")
-                record(f"{name} M={m} fill {fill:g} (split {split}){same}", ms, None, nbytes, flops, copy_gbs,
-                       gemm_tf)
+                record(f"{name} M={m} fill {fill:g}{' swap' if swap else ''} (split {split}){same}", ms, None,
+                       nbytes, flops, copy_gbs, gemm_tf)
     # the fixed-tile bf16 GEMM with fp32 output (router logits; compressor projections) against cuBLAS's epilogue
     for name, (n, k) in {"router": (384, 5120), "compressor 1024": (1024, 5120)}.items():
         w = (torch.randn(n, k, device=DEV) / 70).to(BF)
@@ -164,7 +164,7 @@ def bench_invariant_gemms(copy_gbs, gemm_tf, block=(32, 32)):
             ms_k = bench(lambda: kgemm.linear_fp32_out(x, w))
             record(f"fp32_out {name} M={m} (ref: cuBLAS)", ms_k, ms_c, 2 * (n * k + m * k) + 4 * m * n, 2 * m * n * k,
                    copy_gbs, gemm_tf)
-    kgemm.SPLIT_FILL, kgemm.BATCH_INVARIANT = keep
+    kgemm.SPLIT_FILL, kgemm.SWAP_AB, kgemm.BATCH_INVARIANT = keep
 
 
 def bench_gemm_threshold(copy_gbs, gemm_tf, block=(32, 32)):

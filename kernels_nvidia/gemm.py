@@ -16,7 +16,8 @@ Strategies (selected by M only above a fixed threshold):
   ranges, a number fixed by the matrix and the GPU's SM count, never by M; the fp32 partials are summed
   in split order by `_sum_splits_kernel`. A row's result is bitwise the same whatever M is
   (batch-invariant). Memory-bound in decode: W is read once per M tile (a second M tile re-reads it
-  from L2).
+  from L2). `SWAP_AB` (off by default, awaiting its GPU A/B) runs `_fp8_gemm_swap_kernel` instead: the same
+  fixed weight tile and K order with the tokens as the tensor-core N dimension, their tile chosen from M.
 * dequant + cuBLAS (M > DIRECT_MAX_M, prefill): `_dequant_kernel` writes W to a bf16 scratch, then
   torch.matmul. cuBLAS picks its algorithm from M, so rows depend on M there; set
   KERNELS_NVIDIA_BATCH_INVARIANT=1 (or `gemm.BATCH_INVARIANT = True`) to keep the direct kernel for all M.
@@ -48,6 +49,12 @@ MIN_SPLIT_TILES = 4   # K tiles per split at least
 # program of 4 warps per busy SM. The decode A/B of larger values (`bench_kernels.py --invariant-gemms`: wo_b, shared
 # w1|w3 and wo_a run 72-128 programs at 1) has not run yet; `ops.marlin.faster_than_triton` keeps 1.
 SPLIT_FILL = 1.0
+# Swapped operands (`_fp8_gemm_swap_kernel`): the token tile follows M (SWAP_TOKEN_TILES: (at most M, tile), else
+# SWAP_TOKEN_TILE_LARGE), so decode reads 16-row activation tiles instead of 64-row ones and more programs fit an
+# SM. Off until the decode A/B (`bench_kernels.py --invariant-gemms`) has run on a GPU.
+SWAP_AB = False
+SWAP_TOKEN_TILES = ((16, 16), (32, 32), (64, 64))
+SWAP_TOKEN_TILE_LARGE = 128
 SPLIT_ROWS = 1024     # rows per launch when K is split: bounds the fp32 partials (split * rows * N * 4 B)
 _SMS: dict[int, int] = {}  # CUDA device index -> SM count
 # Triton's interpreter multiplies bf16 tl.dot operands wrongly (triton 3.6); there the dequantised tiles go
@@ -103,6 +110,39 @@ def _fp8_gemm_kernel(X, W, S, Y, M, N, K, sx_m, sy_m, sy_s, s_sn, n_group, k_spl
         tl.store(y + pid_s.to(tl.int64) * sy_s, acc, mask=mmask[:, None] & nmask[None, :])
     else:
         tl.store(y, acc.to(tl.bfloat16), mask=mmask[:, None] & nmask[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp8_gemm_swap_kernel(X, W, S, Y, M, N, K, sx_m, sy_m, sy_s, s_sn, n_group, k_split,
+                          BN: tl.constexpr, BK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr, DOT_F32: tl.constexpr):
+    """`_fp8_gemm_kernel` with the operands swapped: acc[n, m] = W tile [BLOCK_N, BLOCK_K] @ X^T tile [BLOCK_K,
+    BLOCK_M], so the weight rows are the tensor-core M dimension (fixed) and the tokens its N dimension, whose
+    width `swap_token_tile` picks from M (a row's bits do not depend on it, as in `kernels_nvidia.moe`)."""
+    pid_n, pid_m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mmask, nmask = offs_m < M, offs_n < N
+    x_base = X + offs_m[None, :].to(tl.int64) * sx_m + (pid_n * BLOCK_N // n_group) * K
+    w_base = W + offs_n[:, None].to(tl.int64) * K
+    s_base = S + (offs_n // BN) * s_sn
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    k_lo = pid_s * k_split
+    for k0 in range(k_lo, k_lo + k_split, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        kmask = offs_k < K
+        xt = tl.load(x_base + offs_k[:, None], mask=kmask[:, None] & mmask[None, :], other=0.0)
+        codes = tl.load(w_base + offs_k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        w = _dequant(codes, s_base, k0, K, nmask, BK)
+        if DOT_F32:
+            acc += tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(w, xt)
+    y = Y + offs_m[None, :].to(tl.int64) * sy_m + offs_n[:, None]
+    if PARTIAL:
+        tl.store(y + pid_s.to(tl.int64) * sy_s, acc, mask=nmask[:, None] & mmask[None, :])
+    else:
+        tl.store(y, acc.to(tl.bfloat16), mask=nmask[:, None] & mmask[None, :])
 
 
 @triton.jit
@@ -178,6 +218,11 @@ def _sm_count(device: torch.device) -> int:
     return _SMS[i]
 
 
+def swap_token_tile(m: int) -> int:
+    """Token tile of `_fp8_gemm_swap_kernel` for a launch of m rows."""
+    return next((tile for most, tile in SWAP_TOKEN_TILES if m <= most), SWAP_TOKEN_TILE_LARGE)
+
+
 def split_k(n: int, k: int, device: torch.device, fill: float | None = None) -> int:
     """K splits of an [N, K] matrix (N: every output column of the launch, all groups): doubled while the
     doubled N tiles x splits stay within `fill` (default SPLIT_FILL) programs per SM and every split keeps
@@ -223,13 +268,15 @@ def linear_fp8_block(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bloc
     k_split = triton.cdiv(triton.cdiv(k, TILE_K), split) * TILE_K
     rows = SPLIT_ROWS if split > 1 else max(m, 1)
     part = torch.empty(split, min(m, rows), n, dtype=torch.float32, device=x.device) if split > 1 else y
+    kernel = _fp8_gemm_swap_kernel if SWAP_AB else _fp8_gemm_kernel
     for r0 in range(0, m, rows):  # a row's result does not depend on its launch
         r = min(rows, m - r0)
         out = part if split > 1 else y[r0:]
-        grid = (triton.cdiv(n, TILE_N), triton.cdiv(r, TILE_M), split)
-        _fp8_gemm_kernel[grid](x2[r0:], w, scale, out, r, n, k, x2.stride(0), n, r * n, scale.stride(0), n // groups,
-                               k_split, BN=block[0], BK=block[1], BLOCK_M=TILE_M, BLOCK_N=TILE_N, BLOCK_K=TILE_K,
-                               PARTIAL=split > 1, DOT_F32=_DOT_F32, num_warps=WARPS, num_stages=STAGES)
+        tile_m = swap_token_tile(r) if SWAP_AB else TILE_M
+        grid = (triton.cdiv(n, TILE_N), triton.cdiv(r, tile_m), split)
+        kernel[grid](x2[r0:], w, scale, out, r, n, k, x2.stride(0), n, r * n, scale.stride(0), n // groups, k_split,
+                     BN=block[0], BK=block[1], BLOCK_M=tile_m, BLOCK_N=TILE_N, BLOCK_K=TILE_K, PARTIAL=split > 1,
+                     DOT_F32=_DOT_F32, num_warps=WARPS, num_stages=STAGES)
         if split > 1:
             _sum_splits_kernel[(triton.cdiv(r * n, 1024),)](part, y[r0:], r * n, SPLIT=split, BLOCK=1024)
     return y.view(*lead, n)

@@ -226,19 +226,22 @@ def test_moe_kernels_compile(dtype):
 
 @pytest.mark.parametrize("block", [32, 128])
 def test_fp8_gemm_kernels_compile(block):
-    """The FP8 block GEMM (direct kernel, whole and split-K partial; the dequantise-to-bf16 kernel) with the
+    """The FP8 block GEMM (direct kernel and its swapped form at every token tile, whole and split-K partial; the
+    dequantise-to-bf16 kernel) with the
     wrapper's tiles and stages, at V4.1's 32 x 32 and V4's 128 x 128 scale blocks, within SM90's shared memory."""
     from kernels_nvidia import gemm
 
     sig = {"X": "*bf16", "W": "*fp8e4nv", "S": "*u8", "Y": "*bf16", "M": "i32", "N": "i32", "K": "i32", "sx_m": "i32",
            "sy_m": "i32", "sy_s": "i32", "s_sn": "i32", "n_group": "i32", "k_split": "i32"}
     aligned = ("X", "W", "S", "Y", "N", "K", "sx_m", "sy_m", "sy_s", "n_group", "k_split")
-    for partial in (False, True):
-        out = _compile(gemm._fp8_gemm_kernel, dict(sig, Y="*fp32" if partial else "*bf16"),
-                       dict(BN=block, BK=block, BLOCK_M=gemm.TILE_M, BLOCK_N=gemm.TILE_N, BLOCK_K=gemm.TILE_K,
+    swap_tiles = sorted({tile for _, tile in gemm.SWAP_TOKEN_TILES} | {gemm.SWAP_TOKEN_TILE_LARGE})
+    kernels = [(gemm._fp8_gemm_kernel, gemm.TILE_M)] + [(gemm._fp8_gemm_swap_kernel, t) for t in swap_tiles]
+    for (kernel, tile_m), partial in itertools.product(kernels, (False, True)):
+        out = _compile(kernel, dict(sig, Y="*fp32" if partial else "*bf16"),
+                       dict(BN=block, BK=block, BLOCK_M=tile_m, BLOCK_N=gemm.TILE_N, BLOCK_K=gemm.TILE_K,
                             PARTIAL=partial, DOT_F32=False),
                        num_warps=gemm.WARPS, aligned=aligned, num_stages=gemm.STAGES)
-        assert out.metadata.shared <= SM90_SHARED_BYTES, (partial, out.metadata.shared)
+        assert out.metadata.shared <= SM90_SHARED_BYTES, (kernel.__name__, tile_m, partial, out.metadata.shared)
     _compile(gemm._dequant_kernel, {"W": "*fp8e4nv", "S": "*u8", "OUT": "*bf16", "N": "i32", "K": "i32", "s_sn": "i32"},
              dict(BN=block, BK=block, BLOCK_N=32, BLOCK_K=128))
 

@@ -49,8 +49,16 @@ def _run(x, w, s, block, groups=1):
     return gemm.linear_fp8_block(x, w, s, (block, block), groups)
 
 
+@pytest.fixture(params=[False, True], ids=["direct", "swap-ab"])
+def swap_ab(request, monkeypatch):
+    """Each direct-kernel test for both operand orders (`gemm.SWAP_AB`)."""
+    from kernels_nvidia import gemm
+    monkeypatch.setattr(gemm, "SWAP_AB", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("block,n,k", [(32, 100, 96), (128, 192, 256), (32, 256, 160), (32, 96, 1056)])
-def test_linear_fp8_block(device, block, n, k):
+def test_linear_fp8_block(device, block, n, k, swap_ab):
     """Partial edge blocks along N and K (100 x 96 with 32 x 32 blocks), the release's 128 x 128 blocks,
     a K that is not a multiple of the kernel's K tile, and a thin matrix whose K is split (96 x 1056:
     2 N tiles, 9 K tiles -> 2 splits, the last one partial); M spans one partial and several token tiles."""
@@ -68,7 +76,7 @@ def test_linear_fp8_block(device, block, n, k):
 
 
 @pytest.mark.parametrize("direct,k", [(True, 96), (True, 1024), (False, 96)])
-def test_linear_fp8_block_grouped(device, direct, k, monkeypatch):
+def test_linear_fp8_block_grouped(device, direct, k, monkeypatch, swap_ab):
     """groups > 1 (the grouped wo_a: output group g reads input columns g*K..): direct kernel (K = 1024:
     split in 2) and the dequantise + bmm path of large M."""
     from kernels_nvidia import gemm
@@ -97,7 +105,7 @@ def test_linear_fp8_block_dequant_path(device, monkeypatch):
 
 
 @pytest.mark.parametrize("thin", [False, True], ids=["one-split", "split-k"])
-def test_linear_fp8_block_batch_invariant(device, thin, monkeypatch):
+def test_linear_fp8_block_batch_invariant(device, thin, monkeypatch, swap_ab):
     """Row i is bitwise the same for M = 1, 64 and 256 (fixed tiles, fixed K splits in a fixed order;
     SPLIT_ROWS = 64: the 256 rows of a split matrix take four launches)."""
     from kernels_nvidia import gemm
