@@ -103,11 +103,11 @@ def test_packed_checkpoint_generates_same_tokens(ckpt_root, monkeypatch):
 
 
 def test_moe_kernels_in_interpreter_child():
-    """`kernels_nvidia.moe` (the CUDA routed experts of batch-invariant mode) against the oracle in fp32 and its batch
-    invariance, in Triton's interpreter (TRITON_INTERPRET=1 before Triton loads: a child pytest; bf16 dots are
-    CUDA-only, the interpreter computes them wrongly)."""
+    """`kernels_nvidia.moe` (the CUDA routed experts of batch-invariant mode) against the oracle in fp32, its batch
+    invariance, its row tiles and its routing-glue kernel, in Triton's interpreter (TRITON_INTERPRET=1 before Triton
+    loads: a child pytest; bf16 dots are CUDA-only, the interpreter computes them wrongly)."""
     pytest.importorskip("triton")
     r = interpreter_child("tests/gpu/test_moe_kernels.py")
     summary = r.stdout.strip().splitlines()[-1]
     print(summary)
-    assert r.returncode == 0 and "2 passed" in summary, r.stdout[-6000:] + r.stderr[-3000:]
+    assert r.returncode == 0 and "5 passed" in summary, r.stdout[-6000:] + r.stderr[-3000:]
