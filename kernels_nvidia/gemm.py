@@ -16,8 +16,8 @@ Strategies (selected by M only above a fixed threshold):
   ranges, a number fixed by the matrix and the GPU's SM count, never by M; the fp32 partials are summed
   in split order by `_sum_splits_kernel`. A row's result is bitwise the same whatever M is
   (batch-invariant). Memory-bound in decode: W is read once per M tile (a second M tile re-reads it
-  from L2). `SWAP_AB` (off by default, awaiting its GPU A/B) runs `_fp8_gemm_swap_kernel` instead: the same
-  fixed weight tile and K order with the tokens as the tensor-core N dimension, their tile chosen from M.
+  from L2). `SWAP_AB` (off by default, awaiting its GPU A/B) swaps the operands: the same fixed weight tile
+  and K order with the tokens as the tensor-core N dimension, their tile chosen from M.
 * dequant + cuBLAS (M > DIRECT_MAX_M, prefill): `_dequant_kernel` writes W to a bf16 scratch, then
   torch.matmul. cuBLAS picks its algorithm from M, so rows depend on M there; set
   KERNELS_NVIDIA_BATCH_INVARIANT=1 (or `gemm.BATCH_INVARIANT = True`) to keep the direct kernel for all M.
@@ -49,7 +49,7 @@ MIN_SPLIT_TILES = 4   # K tiles per split at least
 # program of 4 warps per busy SM. The decode A/B of larger values (`bench_kernels.py --invariant-gemms`: wo_b, shared
 # w1|w3 and wo_a run 72-128 programs at 1) has not run yet; `ops.marlin.faster_than_triton` keeps 1.
 SPLIT_FILL = 1.0
-# Swapped operands (`_fp8_gemm_swap_kernel`): the token tile follows M (SWAP_TOKEN_TILES: (at most M, tile), else
+# Swapped operands (`_fp8_gemm_kernel` SWAP): the token tile follows M (SWAP_TOKEN_TILES: (at most M, tile), else
 # SWAP_TOKEN_TILE_LARGE), so decode reads 16-row activation tiles instead of 64-row ones and more programs fit an
 # SM. Off until the decode A/B (`bench_kernels.py --invariant-gemms`) has run on a GPU.
 SWAP_AB = False
@@ -82,67 +82,50 @@ def _dequant(codes, s_ptrs, k0, K, rmask, BK: tl.constexpr):
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_kernel(X, W, S, Y, M, N, K, sx_m, sy_m, sy_s, s_sn, n_group, k_split,
                      BN: tl.constexpr, BK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr, DOT_F32: tl.constexpr):
+                     BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr, DOT_F32: tl.constexpr, SWAP: tl.constexpr):
     """Y[m, n] = sum_k X[m, g(n)*K + k] * W[n, k], g(n) = n // n_group, over this program's K range
     [pid_s * k_split, +k_split). X bf16, W E4M3 [N, K], S uint8; Y bf16, or the fp32 partial of split
-    pid_s at Y + pid_s * sy_s when PARTIAL."""
+    pid_s at Y + pid_s * sy_s when PARTIAL. SWAP: the transposed product acc[n, m] = W tile @ X^T tile, so the
+    weight rows are the tensor-core M dimension (fixed) and the tokens its N dimension (`swap_token_tile`)."""
     pid_n, pid_m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mmask, nmask = offs_m < M, offs_n < N
-    x_base = X + offs_m[:, None].to(tl.int64) * sx_m + (pid_n * BLOCK_N // n_group) * K
+    x_rows = X + offs_m.to(tl.int64) * sx_m + (pid_n * BLOCK_N // n_group) * K  # [BLOCK_M] row pointers
     w_base = W + offs_n[:, None].to(tl.int64) * K
     s_base = S + (offs_n // BN) * s_sn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     k_lo = pid_s * k_split
     for k0 in range(k_lo, k_lo + k_split, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         kmask = offs_k < K
-        x = tl.load(x_base + offs_k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
         codes = tl.load(w_base + offs_k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
         w = _dequant(codes, s_base, k0, K, nmask, BK)
-        if DOT_F32:
-            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        if SWAP:
+            xt = tl.load(x_rows[None, :] + offs_k[:, None], mask=kmask[:, None] & mmask[None, :], other=0.0)
+            if DOT_F32:
+                acc += tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(w, xt)
         else:
-            acc += tl.dot(x, tl.trans(w))
-    y = Y + offs_m[:, None].to(tl.int64) * sy_m + offs_n[None, :]
-    if PARTIAL:
-        tl.store(y + pid_s.to(tl.int64) * sy_s, acc, mask=mmask[:, None] & nmask[None, :])
+            x = tl.load(x_rows[:, None] + offs_k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+            if DOT_F32:
+                acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+            else:
+                acc += tl.dot(x, tl.trans(w))
+    if SWAP:
+        y = Y + offs_m[None, :].to(tl.int64) * sy_m + offs_n[:, None]
+        mask = nmask[:, None] & mmask[None, :]
     else:
-        tl.store(y, acc.to(tl.bfloat16), mask=mmask[:, None] & nmask[None, :])
-
-
-@triton.jit(do_not_specialize=["M"])
-def _fp8_gemm_swap_kernel(X, W, S, Y, M, N, K, sx_m, sy_m, sy_s, s_sn, n_group, k_split,
-                          BN: tl.constexpr, BK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, PARTIAL: tl.constexpr, DOT_F32: tl.constexpr):
-    """`_fp8_gemm_kernel` with the operands swapped: acc[n, m] = W tile [BLOCK_N, BLOCK_K] @ X^T tile [BLOCK_K,
-    BLOCK_M], so the weight rows are the tensor-core M dimension (fixed) and the tokens its N dimension, whose
-    width `swap_token_tile` picks from M (a row's bits do not depend on it, as in `kernels_nvidia.moe`)."""
-    pid_n, pid_m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mmask, nmask = offs_m < M, offs_n < N
-    x_base = X + offs_m[None, :].to(tl.int64) * sx_m + (pid_n * BLOCK_N // n_group) * K
-    w_base = W + offs_n[:, None].to(tl.int64) * K
-    s_base = S + (offs_n // BN) * s_sn
-    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    k_lo = pid_s * k_split
-    for k0 in range(k_lo, k_lo + k_split, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        kmask = offs_k < K
-        xt = tl.load(x_base + offs_k[:, None], mask=kmask[:, None] & mmask[None, :], other=0.0)
-        codes = tl.load(w_base + offs_k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-        w = _dequant(codes, s_base, k0, K, nmask, BK)
-        if DOT_F32:
-            acc += tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
-        else:
-            acc += tl.dot(w, xt)
-    y = Y + offs_m[None, :].to(tl.int64) * sy_m + offs_n[:, None]
+        y = Y + offs_m[:, None].to(tl.int64) * sy_m + offs_n[None, :]
+        mask = mmask[:, None] & nmask[None, :]
     if PARTIAL:
-        tl.store(y + pid_s.to(tl.int64) * sy_s, acc, mask=nmask[:, None] & mmask[None, :])
+        tl.store(y + pid_s.to(tl.int64) * sy_s, acc, mask=mask)
     else:
-        tl.store(y, acc.to(tl.bfloat16), mask=nmask[:, None] & mmask[None, :])
+        tl.store(y, acc.to(tl.bfloat16), mask=mask)
 
 
 @triton.jit
@@ -219,7 +202,7 @@ def _sm_count(device: torch.device) -> int:
 
 
 def swap_token_tile(m: int) -> int:
-    """Token tile of `_fp8_gemm_swap_kernel` for a launch of m rows."""
+    """Token tile of the swapped FP8 GEMM (`SWAP_AB`) for a launch of m rows."""
     return next((tile for most, tile in SWAP_TOKEN_TILES if m <= most), SWAP_TOKEN_TILE_LARGE)
 
 
@@ -268,15 +251,14 @@ def linear_fp8_block(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bloc
     k_split = triton.cdiv(triton.cdiv(k, TILE_K), split) * TILE_K
     rows = SPLIT_ROWS if split > 1 else max(m, 1)
     part = torch.empty(split, min(m, rows), n, dtype=torch.float32, device=x.device) if split > 1 else y
-    kernel = _fp8_gemm_swap_kernel if SWAP_AB else _fp8_gemm_kernel
     for r0 in range(0, m, rows):  # a row's result does not depend on its launch
         r = min(rows, m - r0)
         out = part if split > 1 else y[r0:]
         tile_m = swap_token_tile(r) if SWAP_AB else TILE_M
         grid = (triton.cdiv(n, TILE_N), triton.cdiv(r, tile_m), split)
-        kernel[grid](x2[r0:], w, scale, out, r, n, k, x2.stride(0), n, r * n, scale.stride(0), n // groups, k_split,
-                     BN=block[0], BK=block[1], BLOCK_M=tile_m, BLOCK_N=TILE_N, BLOCK_K=TILE_K, PARTIAL=split > 1,
-                     DOT_F32=_DOT_F32, num_warps=WARPS, num_stages=STAGES)
+        _fp8_gemm_kernel[grid](x2[r0:], w, scale, out, r, n, k, x2.stride(0), n, r * n, scale.stride(0), n // groups,
+                               k_split, BN=block[0], BK=block[1], BLOCK_M=tile_m, BLOCK_N=TILE_N, BLOCK_K=TILE_K,
+                               PARTIAL=split > 1, DOT_F32=_DOT_F32, SWAP=SWAP_AB, num_warps=WARPS, num_stages=STAGES)
         if split > 1:
             _sum_splits_kernel[(triton.cdiv(r * n, 1024),)](part, y[r0:], r * n, SPLIT=split, BLOCK=1024)
     return y.view(*lead, n)

@@ -235,13 +235,13 @@ def test_fp8_gemm_kernels_compile(block):
            "sy_m": "i32", "sy_s": "i32", "s_sn": "i32", "n_group": "i32", "k_split": "i32"}
     aligned = ("X", "W", "S", "Y", "N", "K", "sx_m", "sy_m", "sy_s", "n_group", "k_split")
     swap_tiles = sorted({tile for _, tile in gemm.SWAP_TOKEN_TILES} | {gemm.SWAP_TOKEN_TILE_LARGE})
-    kernels = [(gemm._fp8_gemm_kernel, gemm.TILE_M)] + [(gemm._fp8_gemm_swap_kernel, t) for t in swap_tiles]
-    for (kernel, tile_m), partial in itertools.product(kernels, (False, True)):
-        out = _compile(kernel, dict(sig, Y="*fp32" if partial else "*bf16"),
+    tiles = [(False, gemm.TILE_M)] + [(True, t) for t in swap_tiles]
+    for (swap, tile_m), partial in itertools.product(tiles, (False, True)):
+        out = _compile(gemm._fp8_gemm_kernel, dict(sig, Y="*fp32" if partial else "*bf16"),
                        dict(BN=block, BK=block, BLOCK_M=tile_m, BLOCK_N=gemm.TILE_N, BLOCK_K=gemm.TILE_K,
-                            PARTIAL=partial, DOT_F32=False),
+                            PARTIAL=partial, DOT_F32=False, SWAP=swap),
                        num_warps=gemm.WARPS, aligned=aligned, num_stages=gemm.STAGES)
-        assert out.metadata.shared <= SM90_SHARED_BYTES, (kernel.__name__, tile_m, partial, out.metadata.shared)
+        assert out.metadata.shared <= SM90_SHARED_BYTES, (swap, tile_m, partial, out.metadata.shared)
     _compile(gemm._dequant_kernel, {"W": "*fp8e4nv", "S": "*u8", "OUT": "*bf16", "N": "i32", "K": "i32", "s_sn": "i32"},
              dict(BN=block, BK=block, BLOCK_N=32, BLOCK_K=128))
 
