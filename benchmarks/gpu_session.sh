@@ -2,6 +2,8 @@
 # One device call of the Hopper work (issue 3). Run from the repository root on the GPU host:
 #
 #   bash benchmarks/gpu_session.sh kernels          # host torch/triton: kernel tests + microbenchmarks
+#   bash benchmarks/gpu_session.sh kernel-ab        # host torch, ~4 min: MoE + GEMM kernel tests, then the
+#       invariant-mode GEMM A/B (FP8 SPLIT_FILL / SWAP_AB, fp32 output) and the MoE rows (tiles, routing glue)
 #   bash benchmarks/gpu_session.sh linears          # after READY: FP8 linears, vLLM Marlin vs Triton vs bf16
 #   bash benchmarks/gpu_session.sh stage DIR        # one vLLM 0.32 chunk (../shared/gpu/receive.sh), see NOTES-gpu.md
 #   bash benchmarks/gpu_session.sh vllm BUDGET_S    # after READY: plugin wheel + tiny-gpu checkpoints, then
@@ -73,6 +75,15 @@ kernels() {
   if [ "${EAGER:-0}" = 1 ]; then
     PYTHONPATH=$REPO python3 benchmarks/bench_kernels.py --eager --quick 2>&1 | grep -v "^  T=" > "$OUT/bench_kernels_eager.log"
   fi
+}
+
+kernel_ab() {  # host torch: the kernels of batch-invariant mode (tests, then the A/Bs that set their switches)
+  PYTHONPATH=$REPO python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_moe_kernels.py \
+    tests/gpu/test_gemm_kernels.py 2>&1 | tee "$OUT/kernel_tests.log" | grep -E "rel err|passed|failed|Error" | tail -20
+  PYTHONPATH=$REPO python3 benchmarks/bench_kernels.py --invariant-gemms > "$OUT/invariant_gemms.log" 2>&1
+  echo "invariant gemms rc=$?"; grep -E "M=1 |ROWS DIFFER|fp32_out" "$OUT/invariant_gemms.log" | cut -c1-110 | tail -70
+  PYTHONPATH=$REPO python3 benchmarks/bench_kernels.py --moe-only --quick > "$OUT/moe.log" 2>&1
+  echo "moe rc=$?"; grep -E "E=384|BITS" "$OUT/moe.log" | cut -c1-110 | tail -40
 }
 
 vllm_env() {  # plugin wheel first, then env.sh (it puts /root/gpu-env/plugin on PYTHONPATH only if it exists)
@@ -424,6 +435,7 @@ linears() {  # the FP8 block linears of one V4.1 layer: vLLM Marlin W8A16 vs our
 
 case "$mode" in
   kernels) kernels ;;
+  kernel-ab) kernel_ab ;;
   linears) linears ;;
   stage) bash "$REPO/shared/gpu/receive.sh" "$2" ;;
   vllm) vllm_session "${2:-560}" ;;
@@ -446,5 +458,5 @@ case "$mode" in
   serve-ours|serve-intree) serve_bench "${mode#serve-}" "${2:-560}" ;;
   cold-ours|cold-intree) cold_bench "${mode#cold-}" "${2:-560}" ;;
   sweep-ours|sweep-intree) sweep_bench "${mode#sweep-}" "${2:-560}" ;;
-  *) echo "usage: $0 kernels|linears|stage DIR|vllm|ours-bench|intree-bench|memo|fw|engram|tp|dpep|compact|ab|serve-SIDE|cold-SIDE|sweep-SIDE BUDGET_S|par-bench tp|dpep BUDGET_S|jit-save [FIRST]" >&2; exit 2 ;;
+  *) echo "usage: $0 kernels|kernel-ab|linears|stage DIR|vllm|ours-bench|intree-bench|memo|fw|engram|tp|dpep|compact|ab|serve-SIDE|cold-SIDE|sweep-SIDE BUDGET_S|par-bench tp|dpep BUDGET_S|jit-save [FIRST]" >&2; exit 2 ;;
 esac
