@@ -75,7 +75,7 @@ def test_routed_experts_packed_batch_invariant(device):
     assert torch.equal(full[5:6], one)
 
 
-def test_routed_experts_packed_row_tiles_bitwise(device):
+def test_routed_experts_packed_row_tiles_bitwise(device, monkeypatch):
     """Every row tile `row_tile` may pick (the MMA's N dimension) gives bitwise the same rows on one batch: what lets
     the tile follow the batch in batch-invariant mode."""
     from kernels_nvidia import moe
@@ -87,18 +87,15 @@ def test_routed_experts_packed_row_tiles_bitwise(device):
     x = torch.randn(T, D, device=device).to(dtype)
     tiles = sorted({bm for _, bm in moe.ROW_TILES} | {moe.BM_LARGE})
     outs = []
-    try:
-        for bm in tiles:
-            moe.BM = bm
-            outs.append(moe.routed_experts_packed(x, ids, weights, *w, LIMIT))
-    finally:
-        moe.BM = None
+    for bm in tiles:
+        monkeypatch.setattr(moe, "BM", bm)
+        outs.append(moe.routed_experts_packed(x, ids, weights, *w, LIMIT))
     for bm, out in zip(tiles, outs):
         assert torch.equal(out, outs[0]), f"row tile {bm}: {(out != outs[0]).any(dim=1).sum().item()} rows differ"
 
 
 @pytest.mark.parametrize("E,K", [(384, 6), (8, 3)])
-def test_pairs_kernel_matches_torch(device, E, K):
+def test_pairs_kernel_matches_torch(device, E, K, monkeypatch):
     """The one-program routing glue (`_pairs_kernel`) gives the torch path's outputs exactly: T 1-85 (85 x 6 = 510
     pairs, the kernel's limit being 512), int32 and int64 ids, and repeated experts within a token (stable)."""
     from kernels_nvidia import moe
@@ -109,11 +106,9 @@ def test_pairs_kernel_matches_torch(device, E, K):
         w = torch.rand(T, K, device=device)
         bm = moe.row_tile(T * K, E)
         got = moe._pairs(ids, w, E, bm)
-        keep, moe.PAIRS_KERNEL_MAX = moe.PAIRS_KERNEL_MAX, -1
-        try:
+        with monkeypatch.context() as m:
+            m.setattr(moe, "PAIRS_KERNEL_MAX", -1)
             want = moe._pairs(ids, w, E, bm)
-        finally:
-            moe.PAIRS_KERNEL_MAX = keep
         for name, g, h in zip(("weights", "order", "ends", "tile_ends", "pos"), got, want):
             assert g.dtype == h.dtype and torch.equal(g, h), (T, dup, name)
 

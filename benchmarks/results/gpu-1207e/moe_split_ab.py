@@ -1,6 +1,8 @@
 """Fixed reduction splits of the invariant MXFP4 experts (kernels_nvidia.moe SPLIT_GATE_UP / SPLIT_DOWN):
 E=384 top-6, D 5120, I 2304 (release widths), bf16, triton.testing.do_bench median us, two rounds.
-PYTHONPATH=$PWD python3 moe_split_ab.py (host torch, no vLLM)."""
+PYTHONPATH=$PWD python3 moe_split_ab.py (host torch, no vLLM). The split kernels it timed were an uncommitted
+experiment, reverted after this run (no gain): at any commit the SPLIT_* assignments below do nothing. The tile
+check at the end still runs as it ran."""
 import torch
 from triton.testing import do_bench
 from kernels_nvidia import moe
