@@ -70,6 +70,15 @@ def _sparse_attn_dense_kernel(Q, K, MASK, SINK, O, N, H, scale,
 
 
 @triton.jit
+def _key_ids(IDX, IDX2, t, si_t, si2_t, n0, KSEL, KSEL2, BN: tl.constexpr):
+    """Key ids n0 .. n0 + BN - 1 of token t: IDX[t, :KSEL] then IDX2[t, :KSEL2], -1 past both."""
+    offs_n = n0 + tl.arange(0, BN)
+    first = offs_n < KSEL
+    return tl.where(first, tl.load(IDX + t * si_t + offs_n, mask=first, other=-1),
+                    tl.load(IDX2 + t * si2_t + (offs_n - KSEL), mask=~first & (offs_n < KSEL + KSEL2), other=-1))
+
+
+@triton.jit
 def _sparse_attn_indexed_kernel(Q, KV, IDX, KV2, IDX2, SINK, O, PO, PML, KSEL, KSEL2, H, scale,
                                 sq_t, sq_h, skv_n, si_t, skv2_n, si2_t, so_t, so_h, NSPLIT, RPB,
                                 D: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
@@ -92,11 +101,19 @@ def _sparse_attn_indexed_kernel(Q, KV, IDX, KV2, IDX2, SINK, O, PO, PML, KSEL, K
         m_i = tl.load(SINK + offs_h, mask=hmask, other=0.0).to(tl.float32)
         l_i = tl.full([BH], 1.0, tl.float32)
     acc = tl.zeros([BH, D], tl.float32)
+    # only the key blocks from the first to the last with a valid id (window ids lead with -1, selected ids
+    # trail with -1): a block of -1 ids leaves (m, l, acc) exactly as they were, so skipping it changes no bit
+    lo = SPLIT
+    hi = 0
     for n0 in range(0, SPLIT, BN):
+        valid = _key_ids(IDX, IDX2, t, si_t, si2_t, sp * SPLIT + n0, KSEL, KSEL2, BN) >= 0
+        cols = n0 + tl.arange(0, BN)
+        lo = tl.minimum(lo, tl.min(tl.where(valid, cols, SPLIT), 0))
+        hi = tl.maximum(hi, tl.max(tl.where(valid, cols + 1, 0), 0))
+    for n0 in range(lo // BN * BN, hi, BN):
         offs_n = sp * SPLIT + n0 + tl.arange(0, BN)
         first = offs_n < KSEL
-        idx = tl.where(first, tl.load(IDX + t * si_t + offs_n, mask=first, other=-1),
-                       tl.load(IDX2 + t * si2_t + (offs_n - KSEL), mask=~first & (offs_n < KSEL + KSEL2), other=-1))
+        idx = _key_ids(IDX, IDX2, t, si_t, si2_t, sp * SPLIT + n0, KSEL, KSEL2, BN)
         valid = idx >= 0
         rows = tl.where(valid, idx, 0).to(tl.int64)
         if RECORDS:

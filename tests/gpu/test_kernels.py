@@ -248,6 +248,39 @@ def test_sparse_attention_paged(device, dtype, split, monkeypatch):
     assert err < BOUND[dtype]
 
 
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sparse_attention_paged_id_layout(device, dtype, split, monkeypatch):
+    """The model's id layouts: window ids lead with -1 (a token near its request's start), selected ids trail
+    with -1 (fewer rows than the top-k width). The kernel walks only the blocks between a token's first and last
+    valid id; against the oracle, and bitwise unchanged when the id matrices are padded with more -1 columns."""
+    from kernels_nvidia import attention as kattn
+    from kernels_nvidia import ops as kn
+    _skip_interp_bf16_dot(device, dtype)
+    monkeypatch.setattr(kattn, "SPLIT", split)
+    monkeypatch.setattr(kattn, "SPLIT_KEYS", 32 if _small(device) else 128)
+    _seed()
+    t, h, w, k, rows = (4, 16, 16, 40, 128) if _small(device) else (64, 64, 128, 512, 8192)
+    q = torch.randn(t, h, 512, device=device).to(dtype)
+    kv_a = (torch.randn(rows, 512, device=device) * 0.5).to(dtype)
+    kv_b = (torch.randn(rows, 512, device=device) * 0.5).to(dtype)
+    cols_a, cols_b = torch.arange(w, device=device), torch.arange(k, device=device)
+    first = torch.randint(0, w + 1, (t,), device=device)          # window ids before `first` are -1
+    count = torch.randint(0, k + 1, (t,), device=device)          # selected ids past `count` are -1
+    count[0], first[0] = 0, w                                     # a token with no key: the sink only
+    idx_a = torch.where(cols_a >= first[:, None], torch.randint(0, rows, (t, w), device=device), -1)
+    idx_b = torch.where(cols_b < count[:, None], torch.randint(0, rows, (t, k), device=device), -1)
+    sink = torch.randn(h, device=device)
+    out = kn.sparse_attention_paged(q, kv_a, idx_a, kv_b, idx_b, sink, 0.044)
+    want = ref.sparse_attention_paged(q.cpu(), kv_a.cpu(), idx_a.cpu(), kv_b.cpu(), idx_b.cpu(), sink.cpu(), 0.044)
+    err = _rel(out, want)
+    print(f"sparse_attention_paged id layout split={split} {dtype}: rel err {err:.2e}")
+    assert err < BOUND[dtype]
+    pad = torch.full((t, 3 * w), -1, dtype=idx_b.dtype, device=device)
+    again = kn.sparse_attention_paged(q, kv_a, idx_a, kv_b, torch.cat([idx_b, pad], 1), sink, 0.044)
+    assert torch.equal(out, again)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_indexer_scores_paged(device, dtype):
     """Decode indexer: each token scores its own request's rows through its block-table row, -inf past its
