@@ -79,7 +79,7 @@ kernels() {
 
 kernel_ab() {  # host torch: the kernels of batch-invariant mode (tests, then the A/Bs that set their switches)
   PYTHONPATH=$REPO python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_moe_kernels.py \
-    tests/gpu/test_gemm_kernels.py 2>&1 | tee "$OUT/kernel_tests.log" | grep -E "rel err|passed|failed|Error" | tail -20
+    tests/gpu/test_gemm_kernels.py tests/gpu/test_kernels.py tests/gpu/test_kv_record_kernels.py 2>&1 | tee "$OUT/kernel_tests.log" | grep -E "rel err|passed|failed|Error" | tail -20
   PYTHONPATH=$REPO python3 benchmarks/bench_kernels.py --invariant-gemms > "$OUT/invariant_gemms.log" 2>&1
   echo "invariant gemms rc=$?"; grep -E "M=1 |ROWS DIFFER|fp32_out" "$OUT/invariant_gemms.log" | cut -c1-110 | tail -70
   PYTHONPATH=$REPO python3 benchmarks/bench_kernels.py --moe-only --quick > "$OUT/moe.log" 2>&1

@@ -16,8 +16,8 @@ Strategies (selected by M only above a fixed threshold):
   ranges, a number fixed by the matrix and the GPU's SM count, never by M; the fp32 partials are summed
   in split order by `_sum_splits_kernel`. A row's result is bitwise the same whatever M is
   (batch-invariant). Memory-bound in decode: W is read once per M tile (a second M tile re-reads it
-  from L2). `SWAP_AB` (off by default, awaiting its GPU A/B) swaps the operands: the same fixed weight tile
-  and K order with the tokens as the tensor-core N dimension, their tile chosen from M.
+  from L2). `SWAP_AB` (on) swaps the operands: the same fixed weight tile and K order with the tokens as the
+  tensor-core N dimension, their tile chosen from M.
 * dequant + cuBLAS (M > DIRECT_MAX_M, prefill): `_dequant_kernel` writes W to a bf16 scratch, then
   torch.matmul. cuBLAS picks its algorithm from M, so rows depend on M there; set
   KERNELS_NVIDIA_BATCH_INVARIANT=1 (or `gemm.BATCH_INVARIANT = True`) to keep the direct kernel for all M.
@@ -45,14 +45,14 @@ DIRECT_MAX_M = 256
 TILE_M, TILE_N, TILE_K, WARPS, STAGES = 64, 64, 128, 4, 4
 FP32_OUT_TILE_K = 64  # K chunk of the batch-invariant bf16 GEMM with fp32 output (bf16 operand tiles)
 MIN_SPLIT_TILES = 4   # K tiles per split at least
-# Programs per SM the N tiles x K splits of a launch may reach (`split_k`): 1 fills half the SMs at most, one
-# program of 4 warps per busy SM. The decode A/B of larger values (`bench_kernels.py --invariant-gemms`: wo_b, shared
-# w1|w3 and wo_a run 72-128 programs at 1) has not run yet; `ops.marlin.faster_than_triton` keeps 1.
-SPLIT_FILL = 1.0
+# Programs per SM the N tiles x K splits of a launch may reach (`split_k`). H100 decode A/B (2026-12-08,
+# `bench_kernels.py --invariant-gemms`, V4.1 linears, M 1 / 16 / 64, swapped operands): fill 4 beats 1 by 1.2-1.9x on
+# wo_b, wo_a and shared w1|w3, equal elsewhere; `ops.marlin.faster_than_triton` keeps 1 (its recorded threshold).
+SPLIT_FILL = 4.0
 # Swapped operands (`_fp8_gemm_kernel` SWAP): the token tile follows M (SWAP_TOKEN_TILES: (at most M, tile), else
 # SWAP_TOKEN_TILE_LARGE), so decode reads 16-row activation tiles instead of 64-row ones and more programs fit an
-# SM. Off until the decode A/B (`bench_kernels.py --invariant-gemms`) has run on a GPU.
-SWAP_AB = False
+# SM. H100 (same A/B): 1.2-2.3x at M 1-16 on every V4.1 linear, rows bitwise equal between M 1 and M 64.
+SWAP_AB = True
 SWAP_TOKEN_TILES = ((16, 16), (32, 32), (64, 64))
 SWAP_TOKEN_TILE_LARGE = 128
 SPLIT_ROWS = 1024     # rows per launch when K is split: bounds the fp32 partials (split * rows * N * 4 B)
@@ -130,26 +130,27 @@ def _fp8_gemm_kernel(X, W, S, Y, M, N, K, sx_m, sy_m, sy_s, s_sn, n_group, k_spl
 
 @triton.jit
 def _sum_splits_kernel(P, Y, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
-    """Y[i] = bf16(sum_s P[s, i]) in split order (s = 0, 1, ...); P fp32 [SPLIT, MN]."""
+    """Y[i] = sum_s P[s, i] in split order (s = 0, 1, ...), stored in Y's dtype (bf16 / fp32); P fp32 [SPLIT, MN]."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     acc = tl.load(P + offs, mask=mask, other=0.0)
     for s in range(1, SPLIT):
         acc += tl.load(P + s * MN + offs, mask=mask, other=0.0)
-    tl.store(Y + offs, acc.to(tl.bfloat16), mask=mask)
+    tl.store(Y + offs, acc.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _gemm_fp32_out_kernel(X, W, Y, M, N, K, sx_m, sw_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _gemm_fp32_out_kernel(X, W, Y, M, N, K, sx_m, sw_n, k_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
-    """Y[m, n] = sum_k X[m, k] * W[n, k] in fp32 (bf16 / fp16 operands: exact products), K in BLOCK_K chunks in
-    order; Y fp32 [M, N] contiguous."""
-    pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+    """Y[s, m, n] = sum_k X[m, k] * W[n, k] over split s's K range [s * k_split, (s + 1) * k_split) in fp32
+    (bf16 / fp16 operands: exact products), in BLOCK_K chunks in order; Y fp32 [splits, M, N] contiguous."""
+    pid_n, pid_m, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mmask, nmask = offs_m < M, offs_n < N
+    Y += sp.to(tl.int64) * M * N
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(sp * k_split, tl.minimum(K, (sp + 1) * k_split), BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         kmask = offs_k < K
         x = tl.load(X + offs_m[:, None].to(tl.int64) * sx_m + offs_k[None, :], mask=mmask[:, None] & kmask[None, :],
@@ -269,7 +270,8 @@ def linear_fp32_out(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     epilogue (torch.mm out_dtype, cuBLAS; what vLLM's in-tree V4.1 runs for its router and compressor
     projections) instead of an fp32 SGEMM on casted copies. cuBLAS picks its algorithm from M, so
     batch-invariant mode runs `_gemm_fp32_out_kernel` instead: fixed tiles, no split, so a row's result does not
-    depend on M (before: vLLM's persistent GEMM on fp32 copies of both operands, the weight cast every call)."""
+    depend on M (before: vLLM's persistent GEMM on fp32 copies of both operands, the weight cast every call). Its K
+    is split as the FP8 kernel's (`split_k`: by the matrix and the GPU only), the partials summed in split order."""
     if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype or x.dim() != 2:
         raise NotImplementedError("fp32-output GEMM takes 2-D bf16/fp16 operands of one dtype")
     if BATCH_INVARIANT:
@@ -278,9 +280,14 @@ def linear_fp32_out(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         x, w = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, w))
         y = torch.empty(m, n, dtype=torch.float32, device=x.device)
         if m:
-            _gemm_fp32_out_kernel[(triton.cdiv(n, TILE_N), triton.cdiv(m, TILE_M))](
-                x, w, y, m, n, k, x.stride(0), w.stride(0), BLOCK_M=TILE_M, BLOCK_N=TILE_N, BLOCK_K=FP32_OUT_TILE_K,
-                DOT_F32=_DOT_F32, num_warps=WARPS, num_stages=STAGES)
+            split = split_k(n, k, x.device)
+            k_split = triton.cdiv(triton.cdiv(k, FP32_OUT_TILE_K), split) * FP32_OUT_TILE_K
+            part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
+            _gemm_fp32_out_kernel[(triton.cdiv(n, TILE_N), triton.cdiv(m, TILE_M), split)](
+                x, w, part, m, n, k, x.stride(0), w.stride(0), k_split, BLOCK_M=TILE_M, BLOCK_N=TILE_N,
+                BLOCK_K=FP32_OUT_TILE_K, DOT_F32=_DOT_F32, num_warps=WARPS, num_stages=STAGES)
+            if split > 1:
+                _sum_splits_kernel[(triton.cdiv(m * n, 1024),)](part, y, m * n, SPLIT=split, BLOCK=1024)
         return y
     try:
         return torch.mm(x, w.t(), out_dtype=torch.float32)

@@ -54,7 +54,11 @@ BM_LARGE = 128
 BM: int | None = None  # a fixed row tile instead (benchmark sweeps)
 BD_COMBINE = 512
 PAIRS_KERNEL_MAX = 512  # pairs whose routing glue is one program (decode: T 1-85 at top-6)
-WARPS, STAGES = 4, 2
+WARPS = 4
+# Pipeline depth by row tile (2 where absent): H100 (2026-12-08, E=384 top-6, host triton 3.6), BM 16 at 3 stages
+# 1.08-1.17x over 2 at T 1 / 16 / 64 / 256 (135 / 1,453 / 3,666 / 5,758 us), same bits; 4 stages no better.
+ROW_STAGES = {16: 3}
+STAGES: int | None = None  # a fixed depth instead (benchmark sweeps)
 
 
 def row_tile(pairs: int, experts: int) -> int:
@@ -62,6 +66,11 @@ def row_tile(pairs: int, experts: int) -> int:
     if BM is not None:
         return BM
     return next((bm for below, bm in ROW_TILES if pairs < below * experts), BM_LARGE)
+
+
+def stages(bm: int) -> int:
+    """Pipeline depth of the expert kernels at row tile `bm` (the pipeline does not change a row's bits)."""
+    return STAGES if STAGES is not None else ROW_STAGES.get(bm, 2)
 
 
 @triton.jit
@@ -258,7 +267,7 @@ def routed_experts_packed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Ten
     weights, order, ends, tile_ends, pos = _pairs(ids, weights, E, bm)
     n_tiles = min(T * K, T * K // bm + E)
     common = dict(E=E, E_POW2=triton.next_power_of_2(E), BM=bm, BN=BN, BK=BK, IEEE=x.dtype == torch.float32,
-                  num_warps=WARPS, num_stages=STAGES)
+                  num_warps=WARPS, num_stages=stages(bm))
     h = x.new_empty(T * K, I)
     _gate_up_kernel[(n_tiles, triton.cdiv(I, BN))](
         x, w13, w13_scale, h, order, ends, tile_ends, K, D, I, float(limit), x.stride(0),

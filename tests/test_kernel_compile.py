@@ -215,7 +215,7 @@ def test_moe_kernels_compile(dtype):
     for bm in sorted({bm for _, bm in moe.ROW_TILES} | {moe.BM_LARGE}):
         for fn, sig in ((moe._gate_up_kernel, gate_up), (moe._down_kernel, down)):
             aligned = tuple(n for n in sig if n.endswith("_ptr") or n.startswith("stride") or n in ("D", "I"))
-            out = _compile(fn, sig, dict(cx, BM=bm), num_warps=moe.WARPS, aligned=aligned, num_stages=moe.STAGES)
+            out = _compile(fn, sig, dict(cx, BM=bm), num_warps=moe.WARPS, aligned=aligned, num_stages=moe.stages(bm))
             assert out.metadata.shared <= SM90_SHARED_BYTES, (fn.__name__, bm, out.metadata.shared)
     _compile(moe._combine_kernel, {"y_ptr": f"*{dtype}", "pos_ptr": "*i64", "w_ptr": "*fp32", "out_ptr": f"*{dtype}",
                                    "K_TOP": "i32", "D": "i32"}, dict(BD=moe.BD_COMBINE), num_warps=moe.WARPS)
@@ -251,8 +251,10 @@ def test_fp32_out_gemm_kernel_compile():
     within SM90's shared memory."""
     from kernels_nvidia import gemm
 
-    sig = {"X": "*bf16", "W": "*bf16", "Y": "*fp32", "M": "i32", "N": "i32", "K": "i32", "sx_m": "i32", "sw_n": "i32"}
+    sig = {"X": "*bf16", "W": "*bf16", "Y": "*fp32", "M": "i32", "N": "i32", "K": "i32", "sx_m": "i32", "sw_n": "i32",
+           "k_split": "i32"}
     out = _compile(gemm._gemm_fp32_out_kernel, sig,
                    dict(BLOCK_M=gemm.TILE_M, BLOCK_N=gemm.TILE_N, BLOCK_K=gemm.FP32_OUT_TILE_K, DOT_F32=False),
-                   num_warps=gemm.WARPS, aligned=("X", "W", "Y", "N", "K", "sx_m", "sw_n"), num_stages=gemm.STAGES)
+                   num_warps=gemm.WARPS, aligned=("X", "W", "Y", "N", "K", "sx_m", "sw_n", "k_split"),
+                   num_stages=gemm.STAGES)
     assert out.metadata.shared <= SM90_SHARED_BYTES, out.metadata.shared

@@ -152,15 +152,16 @@ def test_dispatch_uses_gemm_kernel(device):
 
 
 def test_linear_fp32_out_batch_invariant(device, monkeypatch):
-    """Batch-invariant mode's fp32-output GEMM (fixed tiles): against the fp32 product of the same values, and
-    row i bitwise the same for M = 1, 37 and 130 (three M tiles)."""
+    """Batch-invariant mode's fp32-output GEMM (fixed tiles, K split by the matrix): against the fp32 product of the
+    same values, and row i bitwise the same for M = 1, 37 and 130 (three M tiles)."""
     from kernels_nvidia import gemm
     monkeypatch.setattr(gemm, "BATCH_INVARIANT", True)
     _seed()
     small = device == "cpu"
-    k, n = (160, 72) if small else (5120, 384)
+    k, n = (1100, 72) if small else (5120, 384)  # a ragged last K chunk in the interpreter
     x = torch.randn(130, k, device=device).to(torch.bfloat16)
     w = (torch.randn(n, k, device=device) / 70).to(torch.bfloat16)
+    assert gemm.split_k(n, k, x.device) > 1
     y = gemm.linear_fp32_out(x, w)
     assert y.dtype == torch.float32 and y.shape == (130, n)
     err = _rel(y, ref.linear_fp32_out(x.cpu(), w.cpu()))
