@@ -269,9 +269,9 @@ def linear_fp32_out(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T -> fp32 [M, N] for bf16/fp16 operands: one tensor-core GEMM with an fp32
     epilogue (torch.mm out_dtype, cuBLAS; what vLLM's in-tree V4.1 runs for its router and compressor
     projections) instead of an fp32 SGEMM on casted copies. cuBLAS picks its algorithm from M, so
-    batch-invariant mode runs `_gemm_fp32_out_kernel` instead: fixed tiles, no split, so a row's result does not
-    depend on M (before: vLLM's persistent GEMM on fp32 copies of both operands, the weight cast every call). Its K
-    is split as the FP8 kernel's (`split_k`: by the matrix and the GPU only), the partials summed in split order."""
+    batch-invariant mode runs `_gemm_fp32_out_kernel` instead: fixed tiles and the FP8 kernel's K split (`split_k`:
+    by the matrix and the GPU only, partials summed in split order), so a row's result does not depend on M
+    (before: vLLM's persistent GEMM on fp32 copies of both operands, the weight cast every call)."""
     if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype or x.dim() != 2:
         raise NotImplementedError("fp32-output GEMM takes 2-D bf16/fp16 operands of one dtype")
     if BATCH_INVARIANT:
