@@ -179,26 +179,18 @@ class Attention(nn.Module):
         """
         meta = batch.meta(self.window_cache)
         pos = batch.dec_positions
-        cache = self.window_cache
-        # every layer of a cache group (one metadata object) writes and reads the same window slots: once a step
-        geometry = (id(meta), cache.tokens_per_row, cache.rows_per_block, self.window)
-        slots = batch.memo(("window write slots", *geometry),
-                           lambda: cache.row_slots(meta, batch.req, pos, keep=batch.live))
-        cache.store_rows(slots, kv)
-        win = batch.memo(("window read slots", *geometry),  # [T, W]
-                         lambda: cache.range_slots(meta, batch.req, batch.dec_window_start(self.window), self.window))
-        src, sel = cache, win[:, :0]  # SWA-only layer: an empty second key source
+        self.window_cache.write(meta, batch.req, pos, kv, keep=batch.live)
+        win = self.window_cache.range_slots(meta, batch.req, batch.dec_window_start(self.window), self.window)  # [T, W]
+        src, sel = self.window_cache, win[:, :0]  # SWA-only layer: an empty second key source
         if self.plan.ratio > 0:
             src, src_meta = self.kv_source, batch.meta(self.kv_source)
             if selected is None:  # HCA: every visible row, (pos + 1) // m of them
                 zero = batch.memo("zero positions", lambda: torch.zeros_like(pos))
-                key = ("visible slots", id(src_meta), src.tokens_per_row, src.rows_per_block, self.plan.ratio)
-                sel = batch.memo(key, lambda: src.range_slots(src_meta, batch.req, zero,
-                                                              meta.max_model_len // self.plan.ratio + 1,
-                                                              batch.dec_visible_rows(self.plan.ratio)))
+                sel = src.range_slots(src_meta, batch.req, zero, meta.max_model_len // self.plan.ratio + 1,
+                                      batch.dec_visible_rows(self.plan.ratio))
             else:
                 sel = src.masked_slots(src_meta, batch.req.unsqueeze(1), selected)
         if self.kv_records:  # both caches hold records, R of them per block
-            return ops.sparse_attention_records(q, cache.kv_cache, win, src.kv_cache, sel, cache.rows_per_block,
-                                                self.attn_sink, self.scale)
-        return ops.sparse_attention_paged(q, cache.rows, win, src.rows, sel, self.attn_sink, self.scale)
+            return ops.sparse_attention_records(q, self.window_cache.kv_cache, win, src.kv_cache, sel,
+                                                self.window_cache.rows_per_block, self.attn_sink, self.scale)
+        return ops.sparse_attention_paged(q, self.window_cache.rows, win, src.rows, sel, self.attn_sink, self.scale)
