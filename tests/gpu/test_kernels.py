@@ -218,13 +218,23 @@ def test_apply_rope_in_place(device, dtype, shape, half, inverse):
         assert torch.equal(wide[..., :16], before[..., :16]) and torch.equal(wide[..., -16:], before[..., -16:])
 
 
+def _paged_vs_oracle(q, kv_a, idx_a, kv_b, idx_b, sink, label: str) -> torch.Tensor:
+    """`sparse_attention_paged` (scale 0.044) within BOUND of the oracle on the same inputs; returns the output."""
+    from kernels_nvidia import ops as kn
+    out = kn.sparse_attention_paged(q, kv_a, idx_a, kv_b, idx_b, sink, 0.044)
+    want = ref.sparse_attention_paged(q.cpu(), kv_a.cpu(), idx_a.cpu(), kv_b.cpu(), idx_b.cpu(), sink.cpu(), 0.044)
+    err = _rel(out, want)
+    print(f"sparse_attention_paged {label}: rel err {err:.2e}")
+    assert err < BOUND[q.dtype]
+    return out
+
+
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sparse_attention_paged(device, dtype, split, monkeypatch):
     """Decode path: window rows from one paged buffer then compressed rows from another, read in place;
     rows of other requests hold NaN and must not leak."""
     from kernels_nvidia import attention as kattn
-    from kernels_nvidia import ops as kn
     _skip_interp_bf16_dot(device, dtype)
     monkeypatch.setattr(kattn, "SPLIT", split)
     _seed()
@@ -241,11 +251,7 @@ def test_sparse_attention_paged(device, dtype, split, monkeypatch):
         used = idx[idx >= 0]
         kv[used] = (torch.randn(used.numel(), 512, device=device) * 0.5).to(dtype)
     sink = torch.randn(h, device=device)
-    out = kn.sparse_attention_paged(q, kv_a, idx_a, kv_b, idx_b, sink, 0.044)
-    want = ref.sparse_attention_paged(q.cpu(), kv_a.cpu(), idx_a.cpu(), kv_b.cpu(), idx_b.cpu(), sink.cpu(), 0.044)
-    err = _rel(out, want)
-    print(f"sparse_attention_paged split={split} {dtype}: rel err {err:.2e}")
-    assert err < BOUND[dtype]
+    _paged_vs_oracle(q, kv_a, idx_a, kv_b, idx_b, sink, f"split={split} {dtype}")
 
 
 @pytest.mark.parametrize("split", [False, True])
@@ -271,11 +277,7 @@ def test_sparse_attention_paged_id_layout(device, dtype, split, monkeypatch):
     idx_a = torch.where(cols_a >= first[:, None], torch.randint(0, rows, (t, w), device=device), -1)
     idx_b = torch.where(cols_b < count[:, None], torch.randint(0, rows, (t, k), device=device), -1)
     sink = torch.randn(h, device=device)
-    out = kn.sparse_attention_paged(q, kv_a, idx_a, kv_b, idx_b, sink, 0.044)
-    want = ref.sparse_attention_paged(q.cpu(), kv_a.cpu(), idx_a.cpu(), kv_b.cpu(), idx_b.cpu(), sink.cpu(), 0.044)
-    err = _rel(out, want)
-    print(f"sparse_attention_paged id layout split={split} {dtype}: rel err {err:.2e}")
-    assert err < BOUND[dtype]
+    out = _paged_vs_oracle(q, kv_a, idx_a, kv_b, idx_b, sink, f"id layout split={split} {dtype}")
     pad = torch.full((t, 3 * w), -1, dtype=idx_b.dtype, device=device)
     again = kn.sparse_attention_paged(q, kv_a, idx_a, kv_b, torch.cat([idx_b, pad], 1), sink, 0.044)
     assert torch.equal(out, again)
