@@ -5,9 +5,10 @@
   -1 = none): the window rows and the indexer's top-k compressed rows of a token in one list;
 * `sparse_attention_gathered(q, keys, valid, sink, scale)`: each query's own gathered keys [T, K, d].
 
-A task is one token x BH heads; it walks the keys in fixed BN blocks, in order, with an online softmax
-that starts from the sink (logit sink_h, value 0), so a query that sees nothing returns 0 and no state
-is ever -inf. Keys that are masked out are never read (rows of `gathered` may hold NaN).
+A task is one token x BH heads; it walks the keys in fixed BN blocks, in order, from the block of its first
+valid key to that of its last, with an online softmax that starts from the sink (logit sink_h, value 0), so a
+query that sees nothing returns 0 and no state is ever -inf. Keys that are masked out are never read (rows of
+`gathered` may hold NaN).
 """
 
 from __future__ import annotations
@@ -38,7 +39,20 @@ def _sparse_attn_kernel(Q, KEYS, SEL, SINK, O, T, H, N, scale,
         m_i = tl.load(SINK + offs_h, mask=hmask, other=0.0).to(tl.float32)
         l_i = tl.full([BH], 1.0, tl.float32)
         acc = tl.full([BH, D], 0.0, tl.float32)
+        # only the key blocks from the first to the last valid one: a block with no valid key leaves
+        # (m, l, acc) exactly as they were, so skipping it changes no bit
+        lo = N
+        hi = 0
         for n0 in range(0, N, BN):
+            offs_n = n0 + tl.arange(0, BN)
+            inb = offs_n < N
+            if INDEXED:
+                valid = tl.load(SEL + t * ss_t + offs_n, mask=inb, other=-1) >= 0
+            else:
+                valid = tl.load(SEL + t * ss_t + offs_n, mask=inb, other=0) != 0
+            lo = tl.minimum(lo, tl.min(tl.where(valid, offs_n, N), 0))
+            hi = tl.maximum(hi, tl.max(tl.where(valid, offs_n + 1, 0), 0))
+        for n0 in range(lo // BN * BN, hi, BN):
             offs_n = n0 + tl.arange(0, BN)
             inb = offs_n < N
             if INDEXED:

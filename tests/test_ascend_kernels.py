@@ -122,6 +122,29 @@ def test_sparse_attention(ka, dtype, form):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_sparse_attention_indexed_id_layout(ka, dtype):
+    """Ids leading with -1 (window) and trailing with -1 (top-k padding): the kernel walks only the blocks between a
+    token's first and last valid id; against the oracle, and bitwise unchanged with 96 more -1 columns."""
+    ops, dev = ka
+    _seed()
+    t, h, d, n, k = 5, 20, 64, 300, 130
+    q = torch.randn(t, h, d).to(dtype)
+    keys = (torch.randn(n, d) * 0.5).to(dtype)
+    cols = torch.arange(k)
+    first, last = torch.randint(0, k // 2, (t,)), torch.randint(k // 2, k + 1, (t,))
+    first[0], last[0] = k, 0                                                  # no key: the sink only
+    rows = torch.stack([torch.randperm(n)[:k] for _ in range(t)])                  # distinct ids per token
+    idx = torch.where((cols >= first[:, None]) & (cols < last[:, None]), rows, -1).int()
+    sink = torch.randn(h)
+    args = (q, keys, idx, sink, d ** -0.5)
+    got = ops.sparse_attention_indexed(*[a.to(dev) if isinstance(a, torch.Tensor) else a for a in args])
+    _check("sparse_attention_indexed id layout", got, ref.sparse_attention_indexed(*_cpu(*args)), dtype)
+    padded = torch.cat([idx, torch.full((t, 96), -1, dtype=idx.dtype)], 1)
+    again = ops.sparse_attention_indexed(q.to(dev), keys.to(dev), padded.to(dev), sink.to(dev), d ** -0.5)
+    assert torch.equal(got, again)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("gathered", [False, True])
 def test_indexer_scores(ka, dtype, gathered):
     ops, dev = ka
