@@ -220,6 +220,18 @@ def split_k(n: int, k: int, device: torch.device, fill: float | None = None) -> 
     return split
 
 
+def _split_len(k: int, split: int, tile_k: int) -> int:
+    """K columns per split of a K split `split` ways in whole `tile_k` chunks."""
+    return triton.cdiv(triton.cdiv(k, tile_k), split) * tile_k
+
+
+def _sum_splits(part: torch.Tensor, out: torch.Tensor) -> None:
+    """out (contiguous, bf16 / fp32) = the fp32 partials summed in split order; part: [split, ...] whose first
+    split * out.numel() values hold them as [split, out.numel()] (a launch of fewer rows uses its head)."""
+    mn = out.numel()
+    _sum_splits_kernel[(triton.cdiv(mn, 1024),)](part, out, mn, SPLIT=part.shape[0], BLOCK=1024)
+
+
 def dequant_to_bf16(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """E4M3 w [N, K] + uint8 E8M0 scale [ceil(N/BN), ceil(K/BK)] -> bf16 [N, K] (one pass)."""
     n, k = w.shape
@@ -249,7 +261,7 @@ def linear_fp8_block(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bloc
         return y.transpose(0, 1).reshape(*lead, n)
     y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     split = split_k(n, k, x.device) if m else 1
-    k_split = triton.cdiv(triton.cdiv(k, TILE_K), split) * TILE_K
+    k_split = _split_len(k, split, TILE_K)
     rows = SPLIT_ROWS if split > 1 else max(m, 1)
     part = torch.empty(split, min(m, rows), n, dtype=torch.float32, device=x.device) if split > 1 else y
     for r0 in range(0, m, rows):  # a row's result does not depend on its launch
@@ -261,7 +273,7 @@ def linear_fp8_block(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bloc
                                k_split, BN=block[0], BK=block[1], BLOCK_M=tile_m, BLOCK_N=TILE_N, BLOCK_K=TILE_K,
                                PARTIAL=split > 1, DOT_F32=_DOT_F32, SWAP=SWAP_AB, num_warps=WARPS, num_stages=STAGES)
         if split > 1:
-            _sum_splits_kernel[(triton.cdiv(r * n, 1024),)](part, y[r0:], r * n, SPLIT=split, BLOCK=1024)
+            _sum_splits(part, y[r0:r0 + r])
     return y.view(*lead, n)
 
 
@@ -281,13 +293,13 @@ def linear_fp32_out(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         y = torch.empty(m, n, dtype=torch.float32, device=x.device)
         if m:
             split = split_k(n, k, x.device)
-            k_split = triton.cdiv(triton.cdiv(k, FP32_OUT_TILE_K), split) * FP32_OUT_TILE_K
+            k_split = _split_len(k, split, FP32_OUT_TILE_K)
             part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
             _gemm_fp32_out_kernel[(triton.cdiv(n, TILE_N), triton.cdiv(m, TILE_M), split)](
                 x, w, part, m, n, k, x.stride(0), w.stride(0), k_split, BLOCK_M=TILE_M, BLOCK_N=TILE_N,
                 BLOCK_K=FP32_OUT_TILE_K, DOT_F32=_DOT_F32, num_warps=WARPS, num_stages=STAGES)
             if split > 1:
-                _sum_splits_kernel[(triton.cdiv(m * n, 1024),)](part, y, m * n, SPLIT=split, BLOCK=1024)
+                _sum_splits(part, y)
         return y
     try:
         return torch.mm(x, w.t(), out_dtype=torch.float32)

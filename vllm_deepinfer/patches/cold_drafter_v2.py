@@ -18,9 +18,9 @@ head, i.e. adaptive verification on, and no data parallelism: `proposer.cold_dra
   drafts, which are never verified;
 * `AdaptiveVerificationManager.get_num_tokens`: when the drafts to verify come from a skipped proposal, the
   budget is 0 (they are the stale drafts of an earlier block) without vLLM's budget arithmetic; otherwise vLLM's
-  budget, read from the estimates
-  of the proposal before last (`record_confidences` double-buffers them), is that proposal's outcome for the
-  rule: it paid when the budget exceeds the slots the step's padded CUDA graph computes anyway;
+  budget, read from the estimates of the proposal before last (`record_confidences` double-buffers them), is that
+  proposal's outcome for the rule: it paid when the budget exceeds the slots the step's padded CUDA graph computes
+  anyway;
 * `AdaptiveVerificationManager.add_request`: a new request brings the next probe forward.
 
 The rule lives on the speculator; the manager's wraps read the newest speculator's (`newest()`: one V2 runner per
